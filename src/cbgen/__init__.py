@@ -1,0 +1,1 @@
+"""cbgen: continuous-batching generation for transformers causal LMs."""

@@ -1,0 +1,55 @@
+"""Engine configuration: budgets, cache geometry, device and fast-path knobs, validated up front."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class EngineConfig:
+    """Everything that shapes one engine instance.
+
+    KV-cache size comes from exactly one budget, in this order of precedence: ``num_blocks``,
+    ``kv_cache_memory`` (bytes), ``kv_cache_memory_fraction`` (of free device memory; on CPU of
+    available RAM).  The chosen sizes are logged at start-up.
+    """
+
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 256
+    block_size: int = 16
+    num_blocks: int | None = None
+    kv_cache_memory: int | None = None
+    kv_cache_memory_fraction: float = 0.3
+    enable_prefix_caching: bool = True
+    max_model_len: int | None = None
+    max_logprobs: int = 20
+    device: str | None = None
+    dtype: str = "auto"
+    # CUDA fast path
+    enforce_eager: bool = False
+    compile: bool = False
+    async_scheduling: bool | None = None  # None: on for CUDA, off for CPU
+    attention_backend: str = "auto"  # "auto" | "torch" | "triton" | "flash_attn"
+    cuda_graph_max_batch: int | None = None  # default: max_num_seqs
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        def need(cond: bool, msg: str) -> None:
+            if not cond:
+                raise ValueError(f"EngineConfig: {msg}")
+
+        need(isinstance(self.max_num_batched_tokens, int) and self.max_num_batched_tokens >= 1,
+             f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens!r}")
+        need(isinstance(self.max_num_seqs, int) and self.max_num_seqs >= 1,
+             f"max_num_seqs must be >= 1, got {self.max_num_seqs!r}")
+        need(isinstance(self.block_size, int) and self.block_size >= 1,
+             f"block_size must be >= 1, got {self.block_size!r}")
+        need(self.num_blocks is None or (isinstance(self.num_blocks, int) and self.num_blocks >= 1),
+             f"num_blocks must be >= 1 or None, got {self.num_blocks!r}")
+        need(self.kv_cache_memory is None or self.kv_cache_memory > 0,
+             f"kv_cache_memory must be a positive number of bytes, got {self.kv_cache_memory!r}")
+        need(0.0 < self.kv_cache_memory_fraction <= 1.0,
+             f"kv_cache_memory_fraction must be in (0, 1], got {self.kv_cache_memory_fraction!r}")
+        need(self.max_logprobs >= 0, f"max_logprobs must be >= 0, got {self.max_logprobs!r}")
+        need(self.attention_backend in ("auto", "torch", "triton", "flash_attn"),
+             f"attention_backend must be auto|torch|triton|flash_attn, got {self.attention_backend!r}")

@@ -1,0 +1,1 @@
+"""Device side: KV cache, paged attention, input packing, model execution and loading."""

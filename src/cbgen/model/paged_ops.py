@@ -1,0 +1,112 @@
+"""Reference (torch) implementations of the two paged-KV primitives.
+
+Cache layout, shared by every backend: one key and one value tensor per layer, each
+``[num_blocks, block_size, num_kv_heads, head_dim]``.  Token ``p`` of a sequence lives in slot
+``block_table[p // block_size] * block_size + p % block_size``.  A slot of ``-1`` means "write
+nowhere" (padding rows of a CUDA-graph bucket).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def store_kv(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Writes ``key``/``value`` ``[T, Hkv, D]`` into the paged caches at ``slot_mapping[T]``."""
+    flat_k = k_cache.view(-1, k_cache.shape[-2], k_cache.shape[-1])
+    flat_v = v_cache.view(-1, v_cache.shape[-2], v_cache.shape[-1])
+    if slot_mapping.numel() and bool((slot_mapping < 0).any()):
+        keep = slot_mapping >= 0
+        key, value, slot_mapping = key[keep], value[keep], slot_mapping[keep]
+    flat_k.index_copy_(0, slot_mapping, key.to(flat_k.dtype))
+    flat_v.index_copy_(0, slot_mapping, value.to(flat_v.dtype))
+
+
+def gather_kv(
+    cache: torch.Tensor, block_table: torch.Tensor, max_len: int | None = None
+) -> torch.Tensor:
+    """Gathers each row's blocks into a padded ``[B, Hkv, L, D]`` view (``L`` = blocks x block_size)."""
+    num_rows, max_blocks = block_table.shape
+    block_size = cache.shape[1]
+    out = cache[block_table.long()].view(num_rows, max_blocks * block_size, cache.shape[2], cache.shape[3])
+    if max_len is not None:
+        out = out[:, :max_len]
+    return out.transpose(1, 2)
+
+
+def decode_mask(
+    seq_lens: torch.Tensor, length: int, sliding_window: int | None = None
+) -> torch.Tensor:
+    """Boolean ``[B, 1, 1, L]`` mask: key ``j`` is visible to the newest token of a row of length ``n``
+    when ``j < n`` and, with a window ``w``, ``j > n - 1 - w``."""
+    idx = torch.arange(length, device=seq_lens.device)
+    lens = seq_lens.to(torch.long)[:, None]
+    mask = idx[None, :] < lens
+    if sliding_window is not None:
+        mask &= idx[None, :] > (lens - 1 - sliding_window)
+    return mask[:, None, None, :]
+
+
+def attend(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    mask: torch.Tensor | None,
+    scale: float,
+    softcap: float | None = None,
+    is_causal: bool = False,
+) -> torch.Tensor:
+    """Dense attention on ``[B, H, Q, D]`` queries and ``[B, Hkv, K, D]`` keys (GQA by head grouping).
+
+    ``mask`` is boolean (True = visible).  Soft-capping is not supported by SDPA, so that case takes the
+    explicit softmax path, computed in float32 like transformers' eager attention.
+    """
+    if softcap is None:
+        return torch.nn.functional.scaled_dot_product_attention(
+            query,
+            key,
+            value,
+            attn_mask=mask,
+            is_causal=is_causal and mask is None,
+            scale=scale,
+            enable_gqa=query.shape[1] != key.shape[1],
+        )
+    groups = query.shape[1] // key.shape[1]
+    if groups > 1:
+        key = key.repeat_interleave(groups, dim=1)
+        value = value.repeat_interleave(groups, dim=1)
+    scores = torch.matmul(query, key.transpose(-1, -2)) * scale
+    scores = torch.tanh(scores / softcap) * softcap
+    if is_causal and mask is None:
+        q_len, k_len = scores.shape[-2:]
+        mask = torch.ones(q_len, k_len, dtype=torch.bool, device=scores.device).tril(k_len - q_len)
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
+    return torch.matmul(probs, value)
+
+
+def paged_decode_attention(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    max_seq_len: int | None = None,
+) -> torch.Tensor:
+    """One new token per row: ``query [B, H, D]`` attends to the first ``seq_lens[b]`` cached tokens
+    of its row (its own K/V already stored).  Returns ``[B, H, D]``."""
+    keys = gather_kv(k_cache, block_table, max_seq_len)
+    values = gather_kv(v_cache, block_table, max_seq_len)
+    mask = decode_mask(seq_lens, keys.shape[2], sliding_window)
+    out = attend(query[:, :, None, :], keys, values, mask, scale, softcap)
+    return out[:, :, 0, :]

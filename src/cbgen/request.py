@@ -1,0 +1,109 @@
+"""Per-sequence state that moves between the scheduler, the model runner and the output layer."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from cbgen.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    """Lifecycle of one sequence. Every sequence reaches exactly one FINISHED_* status."""
+
+    WAITING = "waiting"
+    RUNNING = "running"
+    WAITING_FOR_FORK = "waiting_for_fork"  # an n>1 sample waiting for the shared prompt prefill
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+    FINISHED_ERROR = "error"
+
+    @property
+    def finished(self) -> bool:
+        """True for the four terminal states."""
+        return self.value in ("stop", "length", "abort", "error")
+
+
+@dataclass(eq=False)
+class Request:
+    """One sequence: a prompt plus the tokens generated so far.
+
+    There is no separate prefill phase: ``num_computed_tokens`` (tokens whose K/V sit in the
+    cache) catches up with ``num_tokens``.  A prefill chunk, a decode step and a recompute after
+    preemption all just advance it.  With ``n > 1`` one user request becomes ``n`` sequences that
+    share ``group_id``; sample 0 prefills the prompt and the others fork from it.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    eos_token_ids: frozenset[int] = frozenset()
+    group_id: str = ""
+    sample_index: int = 0
+    arrival_time: float = field(default_factory=time.monotonic)
+    prompt: str | None = None
+
+    token_ids: list[int] = field(init=False)
+    num_prompt_tokens: int = field(init=False)
+    num_computed_tokens: int = 0
+    status: RequestStatus = RequestStatus.WAITING
+    block_ids: list[int] = field(default_factory=list)
+    block_hashes: list[int] = field(default_factory=list)
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at first schedule
+    num_preemptions: int = 0
+    followers: list[Request] = field(default_factory=list)  # n>1: samples 1..n-1, held by sample 0
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+    error: str | None = None
+    weight_version: int = 0
+
+    # Per generated token, always filled (RL needs them).
+    token_logprobs: list[float] = field(default_factory=list)
+    raw_logprobs: list[float] = field(default_factory=list)
+    log_kept_mass: list[float] = field(default_factory=list)
+    top_logprobs: list[dict[int, float]] | None = None
+    prompt_logprobs: list[dict[int, float] | None] | None = None
+    # Output-layer state (detokeniser, stop strings), owned by the engine's output processor.
+    output_state: Any = None
+    first_token_time: float | None = None
+
+    def __post_init__(self) -> None:
+        self.token_ids = list(self.prompt_token_ids)
+        self.num_prompt_tokens = len(self.prompt_token_ids)
+        if not self.group_id:
+            self.group_id = self.request_id
+        if self.params.logprobs is not None:
+            self.top_logprobs = []
+
+    @property
+    def num_tokens(self) -> int:
+        """Prompt plus generated tokens."""
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        """Generated tokens so far."""
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        """The generated tokens (a copy)."""
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def is_finished(self) -> bool:
+        """True once the request reached a terminal status."""
+        return self.status.finished
+
+    @property
+    def max_tokens(self) -> int:
+        """Generation limit; ``None`` in the params is resolved by the engine before scheduling."""
+        assert self.params.max_tokens is not None
+        return self.params.max_tokens
+
+    def append_token(self, token_id: int) -> None:
+        """Adds one sampled token (its K/V is computed in the next step)."""
+        self.token_ids.append(token_id)
