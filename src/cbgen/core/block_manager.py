@@ -1,0 +1,232 @@
+"""KV block pool: refcounted blocks, prefix caching over full blocks, and an LRU of cached free blocks.
+
+Pure Python (no torch) so it can be property-tested without a model.  A block's *content* lives
+on the device; here we only track who holds which block and which full blocks can be reused.
+
+Prefix caching: every full block of a sequence gets a chained hash
+``h_i = hash((h_{i-1}, tokens of block i))``.  A block is only published under its hash once all
+its tokens have been computed.  A lookup also compares the stored tokens, so a hash collision can
+never serve the wrong K/V.  Freed blocks keep their hash and sit in an LRU free list until they
+are reused, so a later request with the same prefix can revive them.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from cbgen.request import Request
+
+
+@dataclass
+class Block:
+    """One KV block: who holds it (``ref_count``) and, when full and computed, its prefix hash."""
+
+    block_id: int
+    ref_count: int = 0
+    block_hash: int | None = None
+    token_ids: tuple[int, ...] = ()
+
+
+@dataclass
+class PrefixCacheStats:
+    """Prompt tokens looked up in, and served from, the prefix cache."""
+
+    queries: int = 0
+    hits: int = 0
+    resets: int = 0
+
+    @property
+    def hit_rate(self) -> float:
+        """Fraction of looked-up tokens that were served from the cache."""
+        return self.hits / self.queries if self.queries else 0.0
+
+
+@dataclass
+class BlockManager:
+    """Allocates KV blocks to sequences; see the module docstring for the caching scheme."""
+
+    num_blocks: int
+    block_size: int
+    enable_prefix_caching: bool = True
+    blocks: list[Block] = field(init=False)
+    stats: PrefixCacheStats = field(default_factory=PrefixCacheStats)
+
+    def __post_init__(self) -> None:
+        self.blocks = [Block(i) for i in range(self.num_blocks)]
+        # Free blocks in eviction order: the front is reused first.  Never-used blocks start at the
+        # front; freed blocks go to the back, so cached content lives as long as possible.
+        self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(self.num_blocks))
+        self._cached: dict[int, int] = {}  # block hash -> block id
+
+    # ------------------------------------------------------------------ queries
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks not held by any sequence (cached-but-free blocks count as free)."""
+        return len(self._free)
+
+    @property
+    def num_used_blocks(self) -> int:
+        """Blocks held by at least one sequence."""
+        return self.num_blocks - len(self._free)
+
+    @property
+    def usage(self) -> float:
+        """Fraction of blocks held by sequences."""
+        return self.num_used_blocks / self.num_blocks
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        """Blocks that hold ``num_tokens`` tokens."""
+        return -(-num_tokens // self.block_size)
+
+    # ------------------------------------------------------------------ prefix cache
+    def _block_hashes(self, request: Request, num_full_blocks: int) -> list[int]:
+        """Extends and returns the request's chained hashes for its first ``num_full_blocks`` blocks."""
+        hashes = request.block_hashes
+        tokens = request.token_ids
+        bs = self.block_size
+        while len(hashes) < num_full_blocks:
+            i = len(hashes)
+            parent = hashes[-1] if hashes else None
+            hashes.append(hash((parent, tuple(tokens[i * bs : (i + 1) * bs]))))
+        return hashes
+
+    def match_prefix(self, request: Request) -> list[int]:
+        """Cached block ids for the longest computed prefix of ``request``.
+
+        Never covers the whole sequence: the last token is always recomputed, because the step that
+        computes it is the one that produces the logits to sample from.
+        """
+        if not self.enable_prefix_caching:
+            return []
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        hashes = self._block_hashes(request, max_blocks)
+        bs = self.block_size
+        hit: list[int] = []
+        for i in range(max_blocks):
+            block_id = self._cached.get(hashes[i])
+            if block_id is None:
+                break
+            block = self.blocks[block_id]
+            if block.token_ids != tuple(request.token_ids[i * bs : (i + 1) * bs]):
+                break
+            hit.append(block_id)
+        return hit
+
+    def cache_computed_blocks(self, request: Request) -> None:
+        """Publishes the request's full, computed blocks under their prefix hash."""
+        if not self.enable_prefix_caching:
+            return
+        num_full = min(request.num_computed_tokens // self.block_size, len(request.block_ids))
+        hashes = self._block_hashes(request, num_full)
+        bs = self.block_size
+        for i in range(num_full):
+            block = self.blocks[request.block_ids[i]]
+            if block.block_hash is not None:
+                continue
+            if hashes[i] in self._cached:
+                continue  # an identical block is already published; keep ours private
+            block.block_hash = hashes[i]
+            block.token_ids = tuple(request.token_ids[i * bs : (i + 1) * bs])
+            self._cached[hashes[i]] = block.block_id
+
+    def reset_prefix_cache(self) -> None:
+        """Forgets every published hash (e.g. after a weight update): nothing can be matched again."""
+        for block_id in self._cached.values():
+            block = self.blocks[block_id]
+            block.block_hash = None
+            block.token_ids = ()
+        self._cached.clear()
+        self.stats.resets += 1
+
+    # ------------------------------------------------------------------ allocation
+    def _take_free_block(self) -> int:
+        block_id, _ = self._free.popitem(last=False)
+        block = self.blocks[block_id]
+        if block.block_hash is not None:  # evict its cached content
+            if self._cached.get(block.block_hash) == block_id:
+                del self._cached[block.block_hash]
+            block.block_hash = None
+            block.token_ids = ()
+        block.ref_count = 1
+        return block_id
+
+    def _hold(self, block_id: int) -> None:
+        block = self.blocks[block_id]
+        if block.ref_count == 0:
+            del self._free[block_id]
+        block.ref_count += 1
+
+    def can_allocate(self, num_blocks: int, reusing: Sequence[int] = ()) -> bool:
+        """Whether ``num_blocks`` new blocks fit, after reviving the cached free blocks in ``reusing``."""
+        revived = sum(1 for b in reusing if self.blocks[b].ref_count == 0)
+        return num_blocks <= len(self._free) - revived
+
+    def allocate(self, request: Request, num_new_tokens: int, cached_blocks: Sequence[int] = ()) -> bool:
+        """Gives ``request`` blocks for ``num_computed_tokens + num_new_tokens`` tokens.
+
+        ``cached_blocks`` (from :meth:`match_prefix`, first schedule only) are taken as the computed
+        prefix.  Returns False, changing nothing, when the pool is short.
+        """
+        have = len(request.block_ids) + len(cached_blocks)
+        computed = request.num_computed_tokens + len(cached_blocks) * self.block_size
+        need = self.blocks_needed(computed + num_new_tokens) - have
+        if not self.can_allocate(max(need, 0), cached_blocks):
+            return False
+        if cached_blocks:
+            for block_id in cached_blocks:
+                self._hold(block_id)
+            request.block_ids.extend(cached_blocks)
+            request.num_computed_tokens = computed
+        for _ in range(max(need, 0)):
+            request.block_ids.append(self._take_free_block())
+        return True
+
+    def free(self, request: Request) -> None:
+        """Releases the request's blocks.  The tail goes to the LRU first, so shared prefix blocks,
+        which are more likely to be reused, are evicted last."""
+        for block_id in reversed(request.block_ids):
+            block = self.blocks[block_id]
+            block.ref_count -= 1
+            assert block.ref_count >= 0, f"block {block_id} freed twice"
+            if block.ref_count == 0:
+                self._free[block_id] = None
+        request.block_ids = []
+
+    def fork(self, parent: Request, child: Request) -> tuple[int, int] | None:
+        """Makes ``child`` share ``parent``'s computed blocks (n>1 samples of one prompt).
+
+        Full blocks are shared by refcount.  A partly filled last block will be written differently by
+        each sample, so the child gets a private copy: the returned ``(src, dst)`` pair is a device-side
+        block copy the runner must perform before the next forward.  Returns None when no copy is needed.
+        Raises ``MemoryError`` if the copy cannot be allocated (the caller recomputes instead).
+        """
+        assert not child.block_ids
+        num_full = parent.num_computed_tokens // self.block_size
+        partial = parent.num_computed_tokens % self.block_size != 0
+        if partial and not self._free:
+            raise MemoryError("no free block for copy-on-fork")
+        for block_id in parent.block_ids[:num_full]:
+            self._hold(block_id)
+        child.block_ids = list(parent.block_ids[:num_full])
+        child.block_hashes = list(parent.block_hashes[:num_full])
+        child.num_computed_tokens = parent.num_computed_tokens
+        if not partial:
+            return None
+        dst = self._take_free_block()
+        child.block_ids.append(dst)
+        return parent.block_ids[num_full], dst
+
+    def check_invariants(self, tables: list[list[int]]) -> None:
+        """Asserts refcounts equal table membership and free + used == total (used by tests)."""
+        counts = [0] * self.num_blocks
+        for table in tables:
+            for block_id in table:
+                counts[block_id] += 1
+        for block in self.blocks:
+            assert block.ref_count == counts[block.block_id], (block, counts[block.block_id])
+            assert (block.ref_count == 0) == (block.block_id in self._free), block
+        assert self.num_free_blocks + self.num_used_blocks == self.num_blocks
+        for block_hash, block_id in self._cached.items():
+            assert self.blocks[block_id].block_hash == block_hash

@@ -1,0 +1,170 @@
+"""Token-budget scheduler: running requests first, chunked prefill, recompute preemption.
+
+Each step hands out at most ``max_num_batched_tokens`` tokens.  Running requests come first, in
+arrival order, each asking for what it still lacks (one token when decoding, the rest of its prompt
+when prefilling, capped by the budget, which is what chunks a long prefill).  If the block pool
+runs dry, the newest running request is preempted: its blocks are freed and it goes back to the
+front of the queue to be recomputed later (the prefix cache usually makes that cheap).  Waiting
+requests are admitted only while budget, sequence slots and blocks remain, and never in a step
+that had to preempt, so admission cannot evict work that was already running.
+
+With ``n > 1`` only sample 0 (the leader) is queued; it reserves seats for its followers, which join
+``running`` when the engine forks them after the leader's prompt is computed.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from cbgen.core.block_manager import BlockManager
+from cbgen.request import Request, RequestStatus
+
+
+@dataclass
+class SchedulerOutput:
+    """What to compute this step: ``(request, num_new_tokens)`` pairs, plus requests that changed state."""
+
+    scheduled: list[tuple[Request, int]] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+    failed: list[Request] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens computed by this step."""
+        return sum(n for _, n in self.scheduled)
+
+    def __bool__(self) -> bool:
+        return bool(self.scheduled)
+
+
+@dataclass
+class SchedulerStats:
+    """Cumulative counters exposed through the engine's stats."""
+
+    steps: int = 0
+    preemptions: int = 0
+    scheduled_tokens: int = 0
+    prompt_tokens_computed: int = 0
+    scheduled_seqs: int = 0
+
+
+class Scheduler:
+    """Decides which tokens of which requests are computed in each step (see module docstring)."""
+
+    def __init__(self, block_manager: BlockManager, max_num_batched_tokens: int, max_num_seqs: int) -> None:
+        self.block_manager = block_manager
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_num_seqs = max_num_seqs
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.stats = SchedulerStats()
+
+    # ------------------------------------------------------------------ queue management
+    def add(self, request: Request) -> None:
+        """Queues a new request (the leader of its group when n > 1)."""
+        request.status = RequestStatus.WAITING
+        self.waiting.append(request)
+
+    def add_running(self, request: Request) -> None:
+        """Adds a forked sample whose blocks are already set up; its seat was reserved by the leader."""
+        request.status = RequestStatus.RUNNING
+        self.running.append(request)
+
+    def requeue(self, request: Request) -> None:
+        """Puts a request with no blocks back at the front of the queue (it will be recomputed)."""
+        request.status = RequestStatus.WAITING
+        self.waiting.appendleft(request)
+
+    def remove(self, request: Request) -> None:
+        """Takes a request out of the queues and frees its blocks (it finished, failed or was aborted)."""
+        if request in self.running:
+            self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+        self.block_manager.free(request)
+
+    def remove_finished(self) -> None:
+        """Drops finished requests from ``running`` in one pass (their blocks are already freed)."""
+        self.running = [r for r in self.running if not r.is_finished]
+
+    @property
+    def num_seats_used(self) -> int:
+        """Running sequences plus seats reserved for followers that have not forked yet."""
+        return sum(1 + len(r.followers) for r in self.running)
+
+    def has_work(self) -> bool:
+        """True while any request is waiting or running."""
+        return bool(self.waiting or self.running)
+
+    # ------------------------------------------------------------------ the step
+    def _preempt(self, request: Request) -> None:
+        self.block_manager.free(request)
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.stats.preemptions += 1
+        self.requeue(request)
+
+    def schedule(self) -> SchedulerOutput:
+        """Builds the next step's batch within the token budget and the block pool."""
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+        bm = self.block_manager
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            while not bm.allocate(request, num_new):
+                victim = self.running.pop()  # newest first
+                self._preempt(victim)
+                out.preempted.append(victim)
+                if victim is request:
+                    break
+            else:
+                out.scheduled.append((request, num_new))
+                budget -= num_new
+                i += 1
+                continue
+            break
+
+        if not out.preempted:
+            seats = self.num_seats_used
+            while self.waiting and budget > 0:
+                request = self.waiting[0]
+                need_seats = 1 + len(request.followers)
+                if seats + need_seats > self.max_num_seqs:
+                    break
+                cached = bm.match_prefix(request)
+                num_cached_tokens = len(cached) * bm.block_size
+                num_new = min(request.num_tokens - num_cached_tokens, budget)
+                if not bm.allocate(request, num_new, cached):
+                    if not self.running and not out.scheduled:
+                        # The pool is as empty as it will ever be: this request can never fit.
+                        self.waiting.popleft()
+                        need = bm.blocks_needed(request.num_tokens)
+                        request.error = (
+                            f"request needs {need} KV blocks of {bm.block_size} tokens but the cache has "
+                            f"only {bm.num_blocks}; raise num_blocks/kv_cache_memory or shorten the request"
+                        )
+                        out.failed.append(request)
+                        continue
+                    break
+                self.waiting.popleft()
+                if request.num_preemptions == 0:
+                    request.num_cached_tokens = num_cached_tokens
+                bm.stats.queries += request.num_tokens
+                bm.stats.hits += num_cached_tokens
+                request.status = RequestStatus.RUNNING
+                self.running.append(request)
+                out.scheduled.append((request, num_new))
+                budget -= num_new
+                seats += need_seats
+
+        self.stats.steps += 1
+        self.stats.scheduled_tokens += self.max_num_batched_tokens - budget
+        self.stats.scheduled_seqs += len(out.scheduled)
+        self.stats.prompt_tokens_computed += sum(
+            max(0, min(r.num_prompt_tokens - r.num_computed_tokens, n)) for r, n in out.scheduled
+        )
+        return out

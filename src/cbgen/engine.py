@@ -1,0 +1,502 @@
+"""The engine: add_request / step / abort over the scheduler, the block manager and the model runner.
+
+One step is: watch weights -> schedule -> pack inputs -> forward (logits only where sampled) ->
+sample -> update (append tokens, stop checks, publish full blocks, fork n>1 samples, free finished
+requests) -> outputs for the groups that changed.  Every sequence ends exactly once, as finished,
+aborted or failed, and its blocks are freed at that moment.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import operator
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from cbgen.config import EngineConfig
+from cbgen.core.block_manager import BlockManager
+from cbgen.core.scheduler import Scheduler
+from cbgen.model.input_batch import InputBuilder, ModelInput
+from cbgen.model.kv_cache import KVCache, KVGeometry, choose_num_blocks
+from cbgen.model.runner import ModelRunner
+from cbgen.model.weights import WeightWatcher
+from cbgen.output_processor import OutputProcessor
+from cbgen.outputs import RequestOutput
+from cbgen.request import Request, RequestStatus
+from cbgen.sample.sampler import Sampler, prompt_logprobs
+from cbgen.sampling_params import SamplingParams
+
+logger = logging.getLogger("cbgen")
+
+
+@dataclass
+class StepStats:
+    """What one step did; passed to ``on_step`` callbacks and summed into :class:`EngineStats`."""
+
+    step: int
+    num_seqs: int
+    num_tokens: int
+    num_decode: int
+    num_prefill_tokens: int
+    num_sampled: int
+    preempted: int
+    running: int
+    waiting: int
+    kv_usage: float
+    times: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class EngineStats:
+    """Cumulative counters (see README for meanings)."""
+
+    steps: int = 0
+    prompt_tokens: int = 0  # prompt tokens of added requests (a group's prompt counted once)
+    prompt_tokens_computed: int = 0  # prompt tokens actually run through the model
+    generated_tokens: int = 0
+    preemptions: int = 0
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    requests_finished: int = 0
+    requests_aborted: int = 0
+    requests_failed: int = 0
+    weight_changes: int = 0
+    batched_seqs: int = 0
+    times: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def mean_batch_size(self) -> float:
+        """Average sequences per step."""
+        return self.batched_seqs / self.steps if self.steps else 0.0
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        """Fraction of looked-up prompt tokens served from the prefix cache."""
+        return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
+
+
+@dataclass
+class RequestGroup:
+    """One user request: its ``n`` sequences and how its outputs are reported."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    samples: list[Request]
+    stream: bool = False
+    finished: bool = False
+
+    def all_finished(self) -> bool:
+        """True once every sample reached a terminal status."""
+        return all(s.is_finished for s in self.samples)
+
+
+class Engine:
+    """Continuous-batching engine over a transformers causal LM (see module docstring)."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        tokenizer=None,
+        config: EngineConfig | None = None,
+        logits_processors: Sequence = (),
+    ) -> None:
+        self.config = config = config or EngineConfig()
+        self.model = model
+        self.tokenizer = tokenizer
+        param = next(model.parameters())
+        self.device = param.device
+        self.dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+        text_config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+        self.vocab_size = int(text_config.vocab_size)
+        self.max_model_len = int(
+            config.max_model_len or getattr(text_config, "max_position_embeddings", None) or 1 << 20
+        )
+        self.eos_token_ids = frozenset(self._eos_ids(model, tokenizer))
+
+        geometry = KVGeometry.from_model(model, self.dtype)
+        num_blocks = choose_num_blocks(
+            geometry,
+            config.block_size,
+            self.device,
+            config.num_blocks,
+            config.kv_cache_memory,
+            config.kv_cache_memory_fraction,
+            max_useful_tokens=config.max_num_seqs * self.max_model_len + config.max_num_batched_tokens,
+        )
+        self.kv_cache = KVCache(geometry, num_blocks, config.block_size, self.device)
+        self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.block_manager, config.max_num_batched_tokens, config.max_num_seqs)
+        self.runner = ModelRunner(model, self.kv_cache, self.device)
+        self.input_builder = InputBuilder(config.block_size, self.device)
+        self.sampler = Sampler(self.vocab_size, logits_processors, seed=config.seed)
+        self.output_processor = OutputProcessor(tokenizer)
+        self.weights = WeightWatcher(model)
+        self.groups: dict[str, RequestGroup] = {}
+        self.stats = EngineStats()
+        self._pending_copies: list[tuple[int, int]] = []
+        self._counter = 0
+
+    @staticmethod
+    def _eos_ids(model, tokenizer) -> set[int]:
+        ids: set[int] = set()
+        gen_config = getattr(model, "generation_config", None)
+        eos = getattr(gen_config, "eos_token_id", None)
+        if eos is None:
+            eos = getattr(model.config, "eos_token_id", None)
+        if eos is None and tokenizer is not None:
+            eos = tokenizer.eos_token_id
+        if isinstance(eos, int):
+            ids.add(eos)
+        elif eos is not None:
+            ids.update(int(e) for e in eos)
+        return ids
+
+    # ------------------------------------------------------------------ requests
+    def new_request_id(self) -> str:
+        """A fresh engine-unique request id."""
+        self._counter += 1
+        return f"req-{self._counter}"
+
+    def validate(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
+        """Raises ``ValueError`` naming the problem; changes nothing."""
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
+        if len(prompt_token_ids) == 0:
+            raise ValueError("prompt is empty: at least one token is needed")
+        bad = next(
+            (t for t in prompt_token_ids if type(t) is not int or not 0 <= t < self.vocab_size), None
+        )
+        if bad is not None:
+            raise ValueError(f"prompt token id {bad!r} is outside the vocabulary [0, {self.vocab_size})")
+        if len(prompt_token_ids) >= self.max_model_len:
+            raise ValueError(
+                f"prompt has {len(prompt_token_ids)} tokens, longer than the model's context of "
+                f"{self.max_model_len} tokens (at least one token must be generated)"
+            )
+        need = self.block_manager.blocks_needed(len(prompt_token_ids) + 1)
+        if need > self.block_manager.num_blocks:
+            raise ValueError(
+                f"prompt needs {need} KV blocks but the cache has only {self.block_manager.num_blocks}; "
+                "raise num_blocks or kv_cache_memory"
+            )
+        params.verify_for_model(self.vocab_size, self.config.max_logprobs)
+
+    def add_request(
+        self,
+        prompt_token_ids: Sequence[int],
+        params: SamplingParams,
+        request_id: str | None = None,
+        prompt: str | None = None,
+        stream: bool = False,
+    ) -> str:
+        """Queues one request (``params.n`` samples).  Raises ``ValueError`` on bad input."""
+        prompt_token_ids = _as_token_list(prompt_token_ids)
+        self.validate(prompt_token_ids, params)
+        request_id = request_id or self.new_request_id()
+        if request_id in self.groups:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        if params.max_tokens is None or params.max_tokens > self.max_model_len - len(prompt_token_ids):
+            params = _with_max_tokens(params, self.max_model_len - len(prompt_token_ids))
+        eos = frozenset() if params.ignore_eos else self.eos_token_ids
+        samples = [
+            Request(
+                request_id=request_id if params.n == 1 else f"{request_id}#{i}",
+                prompt_token_ids=prompt_token_ids,
+                params=params,
+                eos_token_ids=eos,
+                group_id=request_id,
+                sample_index=i,
+                prompt=prompt,
+                weight_version=self.weights.version,
+            )
+            for i in range(params.n)
+        ]
+        for sample in samples:
+            if params.prompt_logprobs is not None and sample.sample_index == 0:
+                sample.prompt_logprobs = [None]
+            self.output_processor.init_request(sample, stream)
+        leader = samples[0]
+        leader.followers = samples[1:]
+        for follower in leader.followers:
+            follower.status = RequestStatus.WAITING_FOR_FORK
+        self.groups[request_id] = RequestGroup(request_id, prompt, prompt_token_ids, params, samples, stream)
+        self.scheduler.add(leader)
+        self.stats.prompt_tokens += len(prompt_token_ids)
+        return request_id
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        """Aborts a request (all its samples); frees its blocks.  Returns its final output, or None if unknown."""
+        group = self.groups.get(request_id)
+        if group is None:
+            return None
+        for sample in group.samples:
+            if not sample.is_finished:
+                self._finish(sample, RequestStatus.FINISHED_ABORTED)
+        self.scheduler.remove_finished()
+        return self._group_output(group, delta=group.stream)
+
+    def has_unfinished(self) -> bool:
+        """True while any request is queued or running."""
+        return bool(self.groups)
+
+    # ------------------------------------------------------------------ weights
+    def _check_weights(self) -> None:
+        if not self.weights.changed():
+            return
+        self.stats.weight_changes += 1
+        self.reset_prefix_cache()
+        # Policy: a request in flight when the weights change is recomputed from its prompt under the
+        # new weights, discarding what it generated, so every output comes from one weight version.
+        for request in list(self.scheduler.running) + list(self.scheduler.waiting):
+            if request.num_computed_tokens == 0 and request.num_output_tokens == 0:
+                request.weight_version = self.weights.version
+                continue
+            self.scheduler.remove(request)
+            self._restart(request)
+            self.scheduler.requeue(request)
+        self.scheduler.remove_finished()
+
+    def _restart(self, request: Request) -> None:
+        del request.token_ids[request.num_prompt_tokens :]
+        request.num_computed_tokens = 0
+        request.token_logprobs.clear()
+        request.raw_logprobs.clear()
+        request.log_kept_mass.clear()
+        if request.top_logprobs is not None:
+            request.top_logprobs.clear()
+        if request.prompt_logprobs is not None:
+            request.prompt_logprobs = [None]
+        request.weight_version = self.weights.version
+        self.output_processor.init_request(request, self.groups[request.group_id].stream)
+
+    def reset_prefix_cache(self) -> None:
+        """Drops every cached prefix block (they stay valid for the requests that hold them)."""
+        self.block_manager.reset_prefix_cache()
+
+    # ------------------------------------------------------------------ the step
+    def step(self) -> list[RequestOutput]:
+        """Runs one scheduling + forward + sampling step; returns outputs of groups that changed
+        (every step for streamed groups, once at the end for the others)."""
+        t0 = time.perf_counter()
+        self._check_weights()
+        sched = self.scheduler.schedule()
+        t1 = time.perf_counter()
+        changed: dict[str, RequestGroup] = {}
+        for request in sched.failed:
+            self._finish(request, RequestStatus.FINISHED_ERROR, error=request.error)
+            changed[request.group_id] = self.groups[request.group_id]
+        times = {"schedule": t1 - t0}
+        batch = None
+        if sched.scheduled:
+            batch = self.input_builder.build(sched.scheduled, self.kv_cache.layers)
+            t2 = time.perf_counter()
+            if self._pending_copies:
+                self.kv_cache.copy_blocks(self._pending_copies)
+                self._pending_copies = []
+            logits = self.runner.execute(batch)
+            t3 = time.perf_counter()
+            sample_logits = logits[batch.num_prompt_rows :]
+            sampled = self.sampler(sample_logits, batch.sample_requests) if batch.sample_requests else None
+            t4 = time.perf_counter()
+            if batch.prompt_rows:
+                self._record_prompt_logprobs(batch, logits[: batch.num_prompt_rows])
+            self._update(batch, sampled, changed)
+            t5 = time.perf_counter()
+            times.update(build=t2 - t1, forward=t3 - t2, sample=t4 - t3, update=t5 - t4)
+        self.scheduler.remove_finished()
+
+        outputs = []
+        for group in changed.values():
+            if group.all_finished():
+                outputs.append(self._group_output(group, delta=group.stream))
+            elif group.stream:
+                outputs.append(self._group_output(group, delta=True))
+        self._account(sched, batch, times)
+        return outputs
+
+    def _record_prompt_logprobs(self, batch: ModelInput, logits: torch.Tensor) -> None:
+        targets = []
+        for rows in batch.prompt_rows:
+            r = rows.request
+            targets.extend(r.token_ids[rows.first_token : rows.first_token + rows.count])
+        k = max(rows.request.params.prompt_logprobs or 0 for rows in batch.prompt_rows)
+        target_lp, top_ids, top_lp = prompt_logprobs(logits, torch.tensor(targets, device=logits.device), k)
+        target_lp = target_lp.tolist()
+        top_ids = top_ids.tolist() if top_ids is not None else None
+        top_lp = top_lp.tolist() if top_lp is not None else None
+        for rows in batch.prompt_rows:
+            r = rows.request
+            want = r.params.prompt_logprobs or 0
+            for j in range(rows.row_start, rows.row_start + rows.count):
+                entry = {targets[j]: target_lp[j]}
+                if want and top_ids is not None:
+                    for tok, lp in zip(top_ids[j][:want], top_lp[j][:want]):
+                        entry.setdefault(tok, lp)
+                r.prompt_logprobs.append(entry)
+
+    def _update(self, batch: ModelInput, sampled, changed: dict[str, RequestGroup]) -> None:
+        bm = self.block_manager
+        bs = bm.block_size
+        for r, n in batch.scheduled:
+            before = r.num_computed_tokens
+            r.num_computed_tokens += n
+            if (before + n) // bs > before // bs:
+                bm.cache_computed_blocks(r)
+        if sampled is None:
+            return
+        tokens = sampled.token_ids.tolist()
+        logprobs = sampled.logprobs.tolist()
+        raw = sampled.raw_logprobs.tolist()
+        kept = sampled.log_kept_mass.tolist()
+        top_ids = sampled.topk_ids.tolist() if sampled.topk_ids is not None else None
+        top_lp = sampled.topk_logprobs.tolist() if sampled.topk_logprobs is not None else None
+
+        # Fork n>1 samples first: their leader may finish in this very step and free its blocks.
+        for r in batch.sample_requests:
+            if r.status is RequestStatus.WAITING_FOR_FORK:
+                self._fork(r)
+        now = time.monotonic()
+        for i, r in enumerate(batch.sample_requests):
+            if r.is_finished:
+                continue
+            changed[r.group_id] = self.groups[r.group_id]
+            if i in sampled.failed:
+                self._finish(r, RequestStatus.FINISHED_ERROR, error=sampled.failed[i])
+                continue
+            if r.first_token_time is None:
+                r.first_token_time = now
+            token = tokens[i]
+            r.append_token(token)
+            r.token_logprobs.append(logprobs[i])
+            r.raw_logprobs.append(raw[i])
+            r.log_kept_mass.append(kept[i])
+            if r.top_logprobs is not None and top_ids is not None:
+                k = r.params.logprobs or 0
+                r.top_logprobs.append(dict(zip(top_ids[i][:k], top_lp[i][:k])))
+            self.stats.generated_tokens += 1
+            status = self._stop_status(r, token)
+            if status is not None:
+                self._finish(r, status)
+
+    def _fork(self, follower: Request) -> None:
+        leader = self.groups[follower.group_id].samples[0]
+        try:
+            pair = self.block_manager.fork(leader, follower)
+        except MemoryError:
+            # No block for the private tail copy: recompute this sample from the prefix cache instead.
+            follower.status = RequestStatus.WAITING
+            self.scheduler.requeue(follower)
+        else:
+            if pair is not None:
+                self._pending_copies.append(pair)
+            self.scheduler.add_running(follower)
+        if follower in leader.followers:
+            leader.followers.remove(follower)
+
+    def _stop_status(self, r: Request, token: int) -> RequestStatus | None:
+        params = r.params
+        if r.num_output_tokens >= params.min_tokens and (
+            token in r.eos_token_ids or token in params.stop_token_ids
+        ):
+            r.stop_reason = token if token in params.stop_token_ids else None
+            return RequestStatus.FINISHED_STOPPED
+        stop = self.output_processor.check_stop_strings(r, token)
+        if stop is not None:
+            r.stop_reason = stop
+            return RequestStatus.FINISHED_STOPPED
+        if r.num_output_tokens >= r.max_tokens or r.num_tokens >= self.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    def _finish(self, r: Request, status: RequestStatus, error: str | None = None) -> None:
+        """The one place a sequence ends: sets its status and frees its blocks."""
+        assert not r.is_finished, f"{r.request_id} finished twice"
+        r.status = status
+        r.finish_reason = status.value
+        r.error = error
+        if status is RequestStatus.FINISHED_ERROR:
+            self.stats.requests_failed += 1
+            logger.warning("request %s failed: %s", r.request_id, error)
+        elif status is RequestStatus.FINISHED_ABORTED:
+            self.stats.requests_aborted += 1
+        else:
+            self.stats.requests_finished += 1
+        group = self.groups.get(r.group_id)
+        leader = group.samples[0] if group else None
+        if leader is not None and r in leader.followers:
+            leader.followers.remove(r)  # never forked: it holds no blocks
+        elif r.status is not RequestStatus.WAITING_FOR_FORK:
+            if r in self.scheduler.waiting:
+                self.scheduler.waiting.remove(r)
+            self.block_manager.free(r)
+        if r is leader and r.followers and r.num_output_tokens == 0:
+            # The leader ended before its prompt was computed (abort/failure): so do its followers.
+            for follower in list(r.followers):
+                self._finish(follower, status, error)
+
+    def _group_output(self, group: RequestGroup, delta: bool = False) -> RequestOutput:
+        out = self.output_processor.make_output(group, delta=delta)
+        if group.all_finished():
+            self.groups.pop(group.request_id, None)
+        return out
+
+    def _account(self, sched, batch: ModelInput | None, times: dict[str, float]) -> StepStats:
+        s = self.stats
+        s.steps += 1
+        s.preemptions += len(sched.preempted)
+        s.prefix_cache_queries = self.block_manager.stats.queries
+        s.prefix_cache_hits = self.block_manager.stats.hits
+        s.prompt_tokens_computed = self.scheduler.stats.prompt_tokens_computed
+        s.batched_seqs += len(sched.scheduled)
+        for key, value in times.items():
+            s.times[key] = s.times.get(key, 0.0) + value
+        nd = batch.meta.num_decode if batch is not None else 0
+        self.last_step = StepStats(
+            step=s.steps,
+            num_seqs=len(sched.scheduled),
+            num_tokens=sched.num_tokens,
+            num_decode=nd,
+            num_prefill_tokens=sched.num_tokens - nd,
+            num_sampled=len(batch.sample_requests) if batch is not None else 0,
+            preempted=len(sched.preempted),
+            running=len(self.scheduler.running),
+            waiting=len(self.scheduler.waiting),
+            kv_usage=self.block_manager.usage,
+            times=times,
+        )
+        return self.last_step
+
+    # ------------------------------------------------------------------ memory
+    def release_memory(self) -> None:
+        """Frees the KV cache tensors.  Only allowed when no request is in flight."""
+        if self.has_unfinished():
+            raise RuntimeError("release_memory() needs an idle engine: requests are still in flight")
+        self.block_manager.reset_prefix_cache()
+        self.kv_cache.release()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def resume_memory(self) -> None:
+        """Re-allocates the KV cache after :meth:`release_memory`."""
+        self.kv_cache.allocate()
+
+
+def _with_max_tokens(params: SamplingParams, limit: int) -> SamplingParams:
+    return dataclasses.replace(params, max_tokens=limit, min_tokens=min(params.min_tokens, limit))
+
+
+def _as_token_list(token_ids: Sequence[int]) -> list:
+    """Plain Python ints (numpy and tensor integers included); anything else is left for validation."""
+    out = []
+    for t in token_ids:
+        try:
+            out.append(operator.index(t))
+        except TypeError:
+            out.append(t)
+    return out

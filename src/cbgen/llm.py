@@ -1,0 +1,220 @@
+"""``LLM``: the synchronous API for batch jobs and in-process RL rollouts."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import torch
+from tqdm.auto import tqdm
+
+from cbgen.config import EngineConfig
+from cbgen.engine import Engine, StepStats
+from cbgen.outputs import RequestOutput
+from cbgen.sampling_params import SamplingParams
+
+logger = logging.getLogger("cbgen")
+
+PromptType = str | Sequence[int]
+
+
+class LLM:
+    """A continuous-batching generator over a transformers causal LM.
+
+    ``model`` is an ``nn.Module`` (used as it is, shared with a trainer if you like: no copy, no
+    conversion), a local Hugging Face folder, a ``.gguf`` file, or None for the embedded default
+    model (SmolLM2-135M-Instruct).  Remaining keyword arguments are :class:`EngineConfig` fields.
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module | str | None = None,
+        tokenizer: Any = None,
+        *,
+        dtype: str | torch.dtype = "auto",
+        device: str | torch.device | None = None,
+        max_num_batched_tokens: int = 2048,
+        max_num_seqs: int = 256,
+        block_size: int = 16,
+        num_blocks: int | None = None,
+        kv_cache_memory: int | None = None,
+        enable_prefix_caching: bool = True,
+        logits_processors: Sequence = (),
+        **engine_kwargs: Any,
+    ) -> None:
+        if isinstance(model, torch.nn.Module):
+            self.model = model
+            self.tokenizer = tokenizer
+        else:
+            from cbgen.model.loader import load_model
+
+            self.model, loaded_tokenizer = load_model(model, dtype=dtype, device=device, tokenizer=tokenizer)
+            self.tokenizer = tokenizer or loaded_tokenizer
+        self.config = EngineConfig(
+            max_num_batched_tokens=max_num_batched_tokens,
+            max_num_seqs=max_num_seqs,
+            block_size=block_size,
+            num_blocks=num_blocks,
+            kv_cache_memory=kv_cache_memory,
+            enable_prefix_caching=enable_prefix_caching,
+            device=str(device) if device is not None else None,
+            dtype=str(dtype),
+            **engine_kwargs,
+        )
+        self.engine = Engine(self.model, self.tokenizer, self.config, logits_processors)
+        self._finished: dict[str, RequestOutput] = {}
+
+    # ------------------------------------------------------------------ prompts
+    def _encode(self, prompt: PromptType) -> tuple[list[int], str | None]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("string prompts need a tokenizer; pass token ids or LLM(model, tokenizer)")
+            return self.tokenizer.encode(prompt, add_special_tokens=True), prompt
+        if isinstance(prompt, torch.Tensor):
+            return prompt.reshape(-1).tolist(), None
+        return list(prompt), None
+
+    @staticmethod
+    def _params_list(sampling_params, count: int) -> list[SamplingParams]:
+        if sampling_params is None:
+            return [SamplingParams()] * count
+        if isinstance(sampling_params, SamplingParams):
+            return [sampling_params] * count
+        params = list(sampling_params)
+        if len(params) != count:
+            raise ValueError(f"got {len(params)} SamplingParams for {count} prompts")
+        return params
+
+    # ------------------------------------------------------------------ batch API
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Generates for every prompt; returns outputs in input order.
+
+        Prompts are strings (tokenised as they are; the chat template is not applied, see
+        :meth:`chat`) or token-id lists.  Invalid input raises ``ValueError`` before anything runs.
+        """
+        if isinstance(prompts, str) or (
+            isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], int)
+        ):
+            prompts = [prompts]
+        encoded = [self._encode(p) for p in prompts]
+        params = self._params_list(sampling_params, len(encoded))
+        for (ids, _), p in zip(encoded, params):
+            self.engine.validate(ids, p)
+        ids_out = [
+            self.engine.add_request(ids, p, prompt=text) for (ids, text), p in zip(encoded, params)
+        ]
+        results = self._run(set(ids_out), use_tqdm=use_tqdm)
+        return [results[i] for i in ids_out]
+
+    def chat(
+        self,
+        messages: list[dict[str, str]] | Sequence[list[dict[str, str]]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        add_generation_prompt: bool = True,
+        chat_template_kwargs: dict[str, Any] | None = None,
+    ) -> list[RequestOutput]:
+        """Applies the tokenizer's chat template to each conversation, then generates."""
+        if self.tokenizer is None:
+            raise ValueError("chat() needs a tokenizer with a chat template")
+        if messages and isinstance(messages[0], dict):
+            messages = [messages]  # one conversation
+        prompts = [
+            self.tokenizer.apply_chat_template(
+                conv, tokenize=True, add_generation_prompt=add_generation_prompt, return_dict=False,
+                **(chat_template_kwargs or {}),
+            )
+            for conv in messages
+        ]
+        return self.generate([list(p) for p in prompts], sampling_params, use_tqdm=use_tqdm)
+
+    # ------------------------------------------------------------------ RL driver
+    def add_requests(
+        self,
+        prompts: Sequence[Sequence[int]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> list[str]:
+        """Queues token-id prompts without running them; returns their request ids."""
+        params = self._params_list(sampling_params, len(prompts))
+        encoded = [self._encode(p) for p in prompts]
+        for (ids, _), p in zip(encoded, params):
+            self.engine.validate(ids, p)
+        return [self.engine.add_request(ids, p, prompt=text) for (ids, text), p in zip(encoded, params)]
+
+    def drive_until_empty(
+        self, on_step: Callable[[int, StepStats], None] | None = None, use_tqdm: bool = False
+    ) -> dict[str, RequestOutput]:
+        """Runs steps until no request is left; returns every output finished since the last call."""
+        self._run(None, on_step=on_step, use_tqdm=use_tqdm)
+        done, self._finished = self._finished, {}
+        return done
+
+    def _run(
+        self,
+        wanted: set[str] | None,
+        on_step: Callable[[int, StepStats], None] | None = None,
+        use_tqdm: bool = False,
+    ) -> dict[str, RequestOutput]:
+        engine = self.engine
+        bar = None
+        if use_tqdm:
+            total = len(wanted) if wanted is not None else len(engine.groups)
+            bar = tqdm(total=total, desc="cbgen", unit="req", dynamic_ncols=True)
+        generated_at_start = engine.stats.generated_tokens
+        try:
+            while engine.has_unfinished() and (wanted is None or not wanted <= self._finished.keys()):
+                outputs = engine.step()
+                if on_step is not None:
+                    on_step(engine.stats.steps, engine.last_step)
+                for out in outputs:
+                    if out.finished:
+                        self._finished[out.request_id] = out
+                        if bar is not None and (wanted is None or out.request_id in wanted):
+                            bar.update(1)
+                if bar is not None:
+                    elapsed = bar.format_dict.get("elapsed") or 0.0
+                    if elapsed > 0:
+                        rate = (engine.stats.generated_tokens - generated_at_start) / elapsed
+                        bar.set_postfix_str(f"{rate:.0f} tok/s", refresh=False)
+        finally:
+            if bar is not None:
+                bar.close()
+        if wanted is None:
+            return dict(self._finished)
+        return {rid: self._finished.pop(rid) for rid in wanted}
+
+    # ------------------------------------------------------------------ RL helpers
+    @property
+    def stats(self):
+        """Cumulative engine counters (:class:`cbgen.engine.EngineStats`)."""
+        return self.engine.stats
+
+    @property
+    def weight_version(self) -> int:
+        """How many weight changes the engine has observed."""
+        return self.engine.weights.version
+
+    def reset_prefix_cache(self) -> None:
+        """Forgets all cached prefixes (not needed after weight updates: those are detected)."""
+        self.engine.reset_prefix_cache()
+
+    def release_memory(self) -> None:
+        """Frees the KV cache (and graph pools) so a trainer can use the memory."""
+        self.engine.release_memory()
+
+    def resume_memory(self) -> None:
+        """Re-allocates what :meth:`release_memory` freed."""
+        self.engine.resume_memory()
+
+    @contextlib.contextmanager
+    def pause(self) -> Iterator[None]:
+        """Parks the engine between steps (KV cache and in-flight requests kept) so the caller can run a
+        training step; generation continues on exit.  Weight changes made inside are detected."""
+        yield

@@ -1,0 +1,59 @@
+"""Notices when the shared model's weights change, so cached K/V computed under old weights is dropped.
+
+An optimizer step, ``load_state_dict`` and any other in-place update bump the parameters' version
+counters; replacing ``param.data`` changes its storage pointer; a PEFT adapter switch or a
+``disable_adapter()`` context changes adapter flags without touching any tensor.  The fingerprint
+covers all three and costs one pass over the parameter list per step.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class WeightWatcher:
+    """Computes a cheap fingerprint of the model's weights and adapter state."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model = model
+        self._params = [p for _, p in model.named_parameters()] + [b for _, b in model.named_buffers()]
+        self._adapter_modules = _adapter_layers(model)
+        self._last = self.fingerprint()
+        self.version = 0
+
+    def fingerprint(self) -> tuple:
+        """Sum of version counters, storage pointers and adapter flags."""
+        versions = 0
+        pointers = 0
+        for p in self._params:
+            versions += p._version
+            pointers ^= p.data_ptr()
+        adapters = tuple(
+            (bool(m.disable_adapters), tuple(m.active_adapters)) for m in self._adapter_modules
+        )
+        return versions, pointers, len(self._params), adapters
+
+    def refresh_modules(self) -> None:
+        """Re-reads the parameter list (after adapters are added or removed)."""
+        self._params = [p for _, p in self.model.named_parameters()] + [b for _, b in self.model.named_buffers()]
+        self._adapter_modules = _adapter_layers(self.model)
+
+    def changed(self) -> bool:
+        """True (once) when the weights differ from the last check; bumps ``version``."""
+        current = self.fingerprint()
+        if current == self._last:
+            return False
+        self._last = current
+        self.version += 1
+        return True
+
+
+def _adapter_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """PEFT tuner layers: they expose ``disable_adapters`` and ``active_adapters`` as plain values
+    (transformers models have methods of the same names, which are skipped)."""
+    layers = []
+    for m in model.modules():
+        flag = getattr(type(m), "disable_adapters", None)
+        if isinstance(flag, property) and hasattr(m, "active_adapters"):
+            layers.append(m)
+    return layers

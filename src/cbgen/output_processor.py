@@ -1,0 +1,131 @@
+"""Turns sequence state into user-facing outputs: detokenisation, stop strings, stream deltas.
+
+Text is only built incrementally when something needs it during generation (stop strings or
+streaming); otherwise each sample is decoded once when it finishes, which keeps per-step CPU work
+off the hot path.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from cbgen.detokenizer import IncrementalDetokenizer, StopStringMatcher
+from cbgen.outputs import CompletionOutput, RequestOutput
+from cbgen.request import Request
+
+if TYPE_CHECKING:
+    from cbgen.engine import RequestGroup
+
+
+@dataclass
+class SampleState:
+    """Per-sample text state."""
+
+    detok: IncrementalDetokenizer | None = None
+    matcher: StopStringMatcher | None = None
+    fed_tokens: int = 0  # output tokens given to the detokeniser
+    final_text: str | None = None  # text cut at a stop string
+    sent_tokens: int = 0  # stream cursor, in tokens
+    sent_chars: int = 0  # stream cursor, in characters
+    sent_prompt_logprobs: bool = False
+    extra: dict = field(default_factory=dict)
+
+
+class OutputProcessor:
+    """Owns the tokenizer-side work of the engine."""
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+
+    def init_request(self, r: Request, stream: bool = False) -> None:
+        """(Re)creates a sample's text state."""
+        state = SampleState()
+        if self.tokenizer is not None and (r.params.stop or stream):
+            state.detok = IncrementalDetokenizer(
+                self.tokenizer, r.prompt_token_ids, skip_special_tokens=r.params.skip_special_tokens
+            )
+            if r.params.stop:
+                state.matcher = StopStringMatcher(r.params.stop, r.params.include_stop_str_in_output)
+        r.output_state = state
+
+    def _feed(self, r: Request) -> None:
+        state: SampleState = r.output_state
+        if state.detok is None:
+            return
+        outputs = r.token_ids[r.num_prompt_tokens :]
+        if state.fed_tokens < len(outputs):
+            state.detok.add_tokens(outputs[state.fed_tokens :])
+            state.fed_tokens = len(outputs)
+
+    def check_stop_strings(self, r: Request, token: int) -> str | None:
+        """Feeds the new token to the detokeniser; returns the matched stop string, if any."""
+        state: SampleState = r.output_state
+        if state.matcher is None:
+            return None
+        before = len(state.detok.text)
+        self._feed(r)
+        text = state.detok.text
+        matched, cut = state.matcher.check(text, len(text) - before)
+        if matched is not None:
+            state.final_text = text[:cut]
+        return matched
+
+    def text(self, r: Request) -> str:
+        """The sample's full output text (cut at a stop string if one matched)."""
+        state: SampleState = r.output_state
+        if state.final_text is not None:
+            return state.final_text
+        if self.tokenizer is None:
+            return ""
+        if state.detok is not None:
+            self._feed(r)
+            if r.is_finished:
+                return state.detok.text
+            # Hold back what could still become a stop string.
+            hold = state.matcher.holdback if state.matcher is not None else 0
+            return state.detok.text[: max(0, len(state.detok.text) - hold)] if hold else state.detok.text
+        return self.tokenizer.decode(r.output_token_ids, skip_special_tokens=r.params.skip_special_tokens)
+
+    def make_output(self, group: RequestGroup, delta: bool = False) -> RequestOutput:
+        """Full (or, for streams, incremental) output of a group."""
+        outs = []
+        for r in group.samples:
+            state: SampleState = r.output_state
+            text = self.text(r)
+            start_tok = state.sent_tokens if delta else 0
+            start_chr = state.sent_chars if delta else 0
+            outs.append(
+                CompletionOutput(
+                    index=r.sample_index,
+                    text=text[start_chr:],
+                    token_ids=r.token_ids[r.num_prompt_tokens + start_tok :],
+                    token_logprobs=r.token_logprobs[start_tok:],
+                    raw_logprobs=r.raw_logprobs[start_tok:],
+                    log_kept_mass=r.log_kept_mass[start_tok:],
+                    top_logprobs=r.top_logprobs[start_tok:] if r.top_logprobs is not None else None,
+                    finish_reason=r.finish_reason,
+                    stop_reason=r.stop_reason,
+                )
+            )
+            if delta or group.stream:
+                state.sent_tokens = r.num_output_tokens
+                state.sent_chars = len(text)
+        leader = group.samples[0]
+        prompt_lp = leader.prompt_logprobs
+        if delta and leader.output_state.sent_prompt_logprobs:
+            prompt_lp = None
+        elif prompt_lp is not None and leader.num_output_tokens > 0:
+            leader.output_state.sent_prompt_logprobs = True
+        errors = [r.error for r in group.samples if r.error]
+        return RequestOutput(
+            request_id=group.request_id,
+            prompt=group.prompt,
+            prompt_token_ids=group.prompt_token_ids,
+            outputs=outs,
+            finished=group.all_finished(),
+            prompt_logprobs=prompt_lp,
+            weight_version=max(r.weight_version for r in group.samples),
+            error="; ".join(errors) if errors else None,
+            num_cached_tokens=leader.num_cached_tokens,
+        )

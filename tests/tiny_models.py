@@ -1,0 +1,68 @@
+"""Tiny random models of each supported architecture, built from configs (nothing is downloaded)."""
+
+from __future__ import annotations
+
+import torch
+import transformers
+
+COMMON = dict(
+    vocab_size=512,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+    bos_token_id=1,
+    eos_token_id=2,
+    pad_token_id=0,
+    tie_word_embeddings=False,
+)
+
+ARCHS: dict[str, tuple[str, dict]] = {
+    "llama": ("LlamaConfig", {}),
+    "qwen2": ("Qwen2Config", {}),
+    "qwen3": ("Qwen3Config", {"head_dim": 16}),
+    "qwen3_moe": (
+        "Qwen3MoeConfig",
+        {"head_dim": 16, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32},
+    ),
+    "mistral": ("MistralConfig", {"sliding_window": None}),
+    # Window 24 < the longest sequences in the tests, so the sliding layers really slide.
+    "gemma2": (
+        "Gemma2Config",
+        {"head_dim": 16, "sliding_window": 24, "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0,
+         "query_pre_attn_scalar": 16},
+    ),
+    "phi3": ("Phi3Config", {}),
+    "olmo2": ("Olmo2Config", {}),
+}
+
+
+def make_model(arch: str, seed: int = 0, dtype: torch.dtype = torch.float32, **overrides) -> torch.nn.Module:
+    """A randomly initialised causal LM of ``arch`` in eval mode."""
+    config_name, extra = ARCHS[arch]
+    config_cls = getattr(transformers, config_name)
+    kwargs = {**COMMON, **extra, **overrides}
+    config = config_cls(**kwargs)
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa" if arch != "gemma2" else "eager")
+    # Larger init than the default 0.02 makes logits less flat, so greedy ties are rare.
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() >= 2:
+                p.normal_(0.0, 0.08)
+    model.generation_config.eos_token_id = 2
+    model.generation_config.pad_token_id = 0
+    return model.eval()
+
+
+def make_prompts(n: int, lengths: tuple[int, int] = (3, 90), vocab: int = 512, seed: int = 0) -> list[list[int]]:
+    """``n`` random prompts with lengths spread over ``lengths`` (token 0-2 avoided)."""
+    g = torch.Generator().manual_seed(seed)
+    lo, hi = lengths
+    out = []
+    for i in range(n):
+        length = lo + (hi - lo) * i // max(n - 1, 1)
+        out.append(torch.randint(3, vocab, (length,), generator=g).tolist())
+    return out
