@@ -24,8 +24,11 @@ def hf_greedy(model, prompt: list[int], max_new_tokens: int, ignore_eos: bool = 
     gc.temperature = None
     gc.top_p = None
     gc.top_k = None
+    ids = torch.tensor([prompt], device=model.device)
+    # An explicit all-ones mask: without it generate() infers one from pad_token_id, and SmolLM2's pad
+    # token (<|im_end|>, id 2) occurs inside every chat prompt, so generate() would mask it out.
     with torch.no_grad():
-        out = model.generate(torch.tensor([prompt], device=model.device), generation_config=gc)
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=gc)
     return out[0, len(prompt) :].tolist()
 
 

@@ -17,7 +17,7 @@ def llm():
     ("prompt", "params", "message"),
     [
         ([], SamplingParams(), "empty"),
-        (list(range(3, 600)), SamplingParams(), "longer than the model's context"),
+        ([5] * 600, SamplingParams(), "longer than the model's context"),
         ([5, 512, 7], SamplingParams(), "outside the vocabulary"),
         ([5, -1, 7], SamplingParams(), "outside the vocabulary"),
     ],

@@ -9,6 +9,8 @@ import torch
 
 logger = logging.getLogger("cbgen")
 
+CPU_DEFAULT_CAP = 2 << 30
+
 
 @dataclass(frozen=True)
 class KVGeometry:
@@ -71,6 +73,9 @@ def choose_num_blocks(
         else:
             budget = int(available_memory(device) * memory_fraction)
             source = f"{memory_fraction:.0%} of free {device.type} memory"
+            if device.type == "cpu" and budget > CPU_DEFAULT_CAP:
+                # CPU throughput saturates long before RAM does; zeroing gigabytes only costs start-up.
+                budget, source = CPU_DEFAULT_CAP, source + f", capped at {CPU_DEFAULT_CAP >> 30} GiB on CPU"
         chosen = budget // per_block
         cap = -(-max_useful_tokens // block_size)
         if chosen > cap:
