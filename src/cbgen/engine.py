@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import operator
 import time
 from collections.abc import Sequence
@@ -378,7 +379,10 @@ class Engine:
             r.log_kept_mass.append(kept[i])
             if r.top_logprobs is not None and top_ids is not None:
                 k = r.params.logprobs or 0
-                r.top_logprobs.append(dict(zip(top_ids[i][:k], top_lp[i][:k])))
+                # Candidates cut by truncation carry -inf: they were never possible, so leave them out.
+                r.top_logprobs.append(
+                    {t: lp for t, lp in zip(top_ids[i][:k], top_lp[i][:k]) if lp > -math.inf}
+                )
             self.stats.generated_tokens += 1
             status = self._stop_status(r, token)
             if status is not None:

@@ -29,6 +29,7 @@ class SampleState:
     sent_tokens: int = 0  # stream cursor, in tokens
     sent_chars: int = 0  # stream cursor, in characters
     sent_prompt_logprobs: bool = False
+    flushed: bool = False
     extra: dict = field(default_factory=dict)
 
 
@@ -81,6 +82,9 @@ class OutputProcessor:
         if state.detok is not None:
             self._feed(r)
             if r.is_finished:
+                if not state.flushed:
+                    state.detok.flush()  # a trailing incomplete character, if any
+                    state.flushed = True
                 return state.detok.text
             # Hold back what could still become a stop string.
             hold = state.matcher.holdback if state.matcher is not None else 0

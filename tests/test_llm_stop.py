@@ -1,0 +1,49 @@
+"""Stop strings on the real tokenizer: matched across token boundaries, cut correctly."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from cbgen import LLM, SamplingParams
+
+QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+@pytest.fixture(scope="module")
+def llm(smollm2_path):
+    from cbgen.model.loader import load_model
+
+    model, tokenizer = load_model(smollm2_path, dtype=torch.float32)
+    return LLM(model, tokenizer, block_size=16)
+
+
+def test_greedy_answer_and_stop_string_spanning_tokens(llm):
+    full = llm.chat(QUESTION, SamplingParams(max_tokens=20, temperature=0), use_tqdm=False)[0].outputs[0]
+    assert "capital of France is Paris" in full.text
+    ids = full.token_ids
+    pieces = [llm.tokenizer.decode([t]) for t in ids]
+    # choose a stop string made of the end of one token and the start of the next
+    i = next(k for k, p in enumerate(pieces) if p.strip() == "France")
+    stop = pieces[i - 1][-2:] + pieces[i][:3]
+    assert len(stop) == 5 and stop in full.text
+
+    cut = llm.chat(QUESTION, SamplingParams(max_tokens=20, temperature=0, stop=[stop]), use_tqdm=False)[0].outputs[0]
+    assert cut.finish_reason == "stop" and cut.stop_reason == stop
+    assert cut.text == full.text[: full.text.index(stop)]
+    assert cut.token_ids == ids[: i + 1], "generation stops at the token that completes the stop string"
+
+    kept = llm.chat(
+        QUESTION, SamplingParams(max_tokens=20, temperature=0, stop=[stop], include_stop_str_in_output=True),
+        use_tqdm=False,
+    )[0].outputs[0]
+    assert kept.text == full.text[: full.text.index(stop) + len(stop)]
+
+
+def test_eos_ends_generation_and_is_not_in_text(llm):
+    out = llm.chat(QUESTION, SamplingParams(max_tokens=200, temperature=0), use_tqdm=False)[0].outputs[0]
+    assert out.finish_reason == "stop" and out.token_ids[-1] == 2
+    assert "<|im_end|>" not in out.text
+    raw = llm.chat(QUESTION, SamplingParams(max_tokens=200, temperature=0, skip_special_tokens=False),
+                   use_tqdm=False)[0].outputs[0]
+    assert raw.text.endswith("<|im_end|>")
