@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import pytest
-from tiny_models import make_model, make_prompts
 
 from cbgen import LLM, SamplingParams
+from tiny_models import make_model, make_prompts
 
 
 @pytest.fixture(scope="module")

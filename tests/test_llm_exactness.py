@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from oracle import compare, hf_greedy
-from tiny_models import ARCHS, make_model, make_prompts
 
 from cbgen import LLM, SamplingParams
+from oracle import compare, hf_greedy
+from tiny_models import ARCHS, make_model, make_prompts
 
 GREEDY = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
 
@@ -28,7 +28,9 @@ def test_greedy_matches_generate(arch):
     refs = [hf_greedy(model, p, 40) for p in prompts]
     llm = LLM(model, block_size=8)
     outs = llm.generate(prompts, GREEDY, use_tqdm=False)
-    assert [o.request_id for o in outs] == sorted({o.request_id for o in outs}, key=lambda r: int(r.split("-")[1]))
+    assert [o.request_id for o in outs] == sorted(
+        {o.request_id for o in outs}, key=lambda r: int(r.split("-")[1])
+    )
     got = [o.outputs[0].token_ids for o in outs]
     assert all(len(g) == 40 for g in got)
     compare(model, prompts, got, refs)

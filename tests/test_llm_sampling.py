@@ -6,10 +6,10 @@ import math
 
 import pytest
 import torch
-from oracle import hf_greedy
-from tiny_models import make_model, make_prompts
 
 from cbgen import LLM, SamplingParams
+from oracle import hf_greedy
+from tiny_models import make_model, make_prompts
 
 
 @pytest.fixture(scope="module")
@@ -32,12 +32,18 @@ def test_seeded_request_independent_of_batch_and_preemption(model):
 
     others = make_prompts(31, lengths=(3, 60), seed=4)
     mixed = [
-        SamplingParams(max_tokens=16 + i % 9, temperature=[0.0, 0.7, 1.3][i % 3], top_k=[-1, 5, 50][i % 3],
-                       min_p=[0.0, 0.05][i % 2], ignore_eos=True)
+        SamplingParams(
+            max_tokens=16 + i % 9,
+            temperature=[0.0, 0.7, 1.3][i % 3],
+            top_k=[-1, 5, 50][i % 3],
+            min_p=[0.0, 0.05][i % 2],
+            ignore_eos=True,
+        )
         for i in range(31)
     ]
-    outs = LLM(model, block_size=8).generate([*others[:13], prompt, *others[13:]], [*mixed[:13], seeded, *mixed[13:]],
-                                             use_tqdm=False)
+    outs = LLM(model, block_size=8).generate(
+        [*others[:13], prompt, *others[13:]], [*mixed[:13], seeded, *mixed[13:]], use_tqdm=False
+    )
     assert outs[13].outputs[0].token_ids == alone
 
     small = LLM(model, block_size=4, num_blocks=40)
@@ -49,8 +55,9 @@ def test_seeded_request_independent_of_batch_and_preemption(model):
 def test_n_samples_share_one_prefill(model):
     prompt = make_prompts(1, lengths=(45, 45), seed=2)[0]  # 45 = 5 full blocks of 8 + a partial one
     llm = LLM(model, block_size=8)
-    out = llm.generate([prompt], SamplingParams(n=8, max_tokens=12, temperature=1.0, seed=7, ignore_eos=True),
-                       use_tqdm=False)[0]
+    out = llm.generate(
+        [prompt], SamplingParams(n=8, max_tokens=12, temperature=1.0, seed=7, ignore_eos=True), use_tqdm=False
+    )[0]
     assert len(out.outputs) == 8 and [c.index for c in out.outputs] == list(range(8))
     assert llm.stats.prompt_tokens_computed == len(prompt), "the prompt must be computed once, not 8 times"
     assert len({tuple(c.token_ids) for c in out.outputs}) > 1, "samples with different indices must differ"
@@ -71,7 +78,8 @@ def test_raw_logprobs_match_plain_forward_and_kept_mass_relation(model):
     prompts = make_prompts(6, lengths=(5, 50), seed=3)
     params = [
         SamplingParams(max_tokens=16, temperature=1.0, top_k=20, seed=i, ignore_eos=True, logprobs=3)
-        if i % 2 else SamplingParams(max_tokens=16, temperature=1.0, top_p=0.8, min_p=0.02, seed=i, ignore_eos=True)
+        if i % 2
+        else SamplingParams(max_tokens=16, temperature=1.0, top_p=0.8, min_p=0.02, seed=i, ignore_eos=True)
         for i in range(6)
     ]
     outs = LLM(model, block_size=8).generate(prompts, params, use_tqdm=False)
@@ -91,13 +99,15 @@ def test_raw_logprobs_match_plain_forward_and_kept_mass_relation(model):
 
 def test_processed_logprob_with_temperature_and_penalty(model):
     prompt = make_prompts(1, lengths=(12, 12), seed=5)[0]
-    params = SamplingParams(max_tokens=6, temperature=0.7, top_k=10, presence_penalty=0.5, seed=3, ignore_eos=True)
+    params = SamplingParams(
+        max_tokens=6, temperature=0.7, top_k=10, presence_penalty=0.5, seed=3, ignore_eos=True
+    )
     c = LLM(model, block_size=8).generate([prompt], params, use_tqdm=False)[0].outputs[0]
     seq = list(prompt)
     for tok, lp in zip(c.token_ids, c.token_logprobs):
         with torch.no_grad():
             logits = model(torch.tensor([seq])).logits[0, -1].double()
-        out_so_far = set(seq[len(prompt):])
+        out_so_far = set(seq[len(prompt) :])
         for t in out_so_far:
             logits[t] -= 0.5
         logits /= 0.7
@@ -127,11 +137,14 @@ def test_min_tokens_suppresses_eos_and_stop_token_ids(model):
     prompts = make_prompts(4, lengths=(5, 20), seed=8)
     bias_eos = {2: 100.0, 7: 100.0}  # make EOS (2) and token 7 overwhelmingly likely
     stopped = LLM(model, block_size=8).generate(
-        prompts, SamplingParams(max_tokens=10, temperature=0, logit_bias=bias_eos, stop_token_ids=[7]), use_tqdm=False
+        prompts,
+        SamplingParams(max_tokens=10, temperature=0, logit_bias=bias_eos, stop_token_ids=[7]),
+        use_tqdm=False,
     )
     assert all(len(o.outputs[0].token_ids) == 1 and o.outputs[0].finish_reason == "stop" for o in stopped)
     held = LLM(model, block_size=8).generate(
-        prompts, SamplingParams(max_tokens=10, min_tokens=5, temperature=0, logit_bias=bias_eos, stop_token_ids=[7]),
+        prompts,
+        SamplingParams(max_tokens=10, min_tokens=5, temperature=0, logit_bias=bias_eos, stop_token_ids=[7]),
         use_tqdm=False,
     )
     for o in held:

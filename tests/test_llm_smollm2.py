@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from oracle import compare, hf_greedy
 
 from cbgen import LLM, SamplingParams
 from cbgen.prompts import chat_conversations
+from oracle import compare, hf_greedy
 
 
 @pytest.fixture(scope="module")

@@ -28,13 +28,16 @@ def test_greedy_answer_and_stop_string_spanning_tokens(llm):
     stop = pieces[i - 1][-2:] + pieces[i][:3]
     assert len(stop) == 5 and stop in full.text
 
-    cut = llm.chat(QUESTION, SamplingParams(max_tokens=20, temperature=0, stop=[stop]), use_tqdm=False)[0].outputs[0]
+    cut = llm.chat(QUESTION, SamplingParams(max_tokens=20, temperature=0, stop=[stop]), use_tqdm=False)[
+        0
+    ].outputs[0]
     assert cut.finish_reason == "stop" and cut.stop_reason == stop
     assert cut.text == full.text[: full.text.index(stop)]
     assert cut.token_ids == ids[: i + 1], "generation stops at the token that completes the stop string"
 
     kept = llm.chat(
-        QUESTION, SamplingParams(max_tokens=20, temperature=0, stop=[stop], include_stop_str_in_output=True),
+        QUESTION,
+        SamplingParams(max_tokens=20, temperature=0, stop=[stop], include_stop_str_in_output=True),
         use_tqdm=False,
     )[0].outputs[0]
     assert kept.text == full.text[: full.text.index(stop) + len(stop)]
@@ -44,6 +47,7 @@ def test_eos_ends_generation_and_is_not_in_text(llm):
     out = llm.chat(QUESTION, SamplingParams(max_tokens=200, temperature=0), use_tqdm=False)[0].outputs[0]
     assert out.finish_reason == "stop" and out.token_ids[-1] == 2
     assert "<|im_end|>" not in out.text
-    raw = llm.chat(QUESTION, SamplingParams(max_tokens=200, temperature=0, skip_special_tokens=False),
-                   use_tqdm=False)[0].outputs[0]
+    raw = llm.chat(
+        QUESTION, SamplingParams(max_tokens=200, temperature=0, skip_special_tokens=False), use_tqdm=False
+    )[0].outputs[0]
     assert raw.text.endswith("<|im_end|>")

@@ -31,8 +31,13 @@ ARCHS: dict[str, tuple[str, dict]] = {
     # Window 24 < the longest sequences in the tests, so the sliding layers really slide.
     "gemma2": (
         "Gemma2Config",
-        {"head_dim": 16, "sliding_window": 24, "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0,
-         "query_pre_attn_scalar": 16},
+        {
+            "head_dim": 16,
+            "sliding_window": 24,
+            "attn_logit_softcapping": 50.0,
+            "final_logit_softcapping": 30.0,
+            "query_pre_attn_scalar": 16,
+        },
     ),
     "phi3": ("Phi3Config", {}),
     "olmo2": ("Olmo2Config", {}),
@@ -46,10 +51,12 @@ def make_model(arch: str, seed: int = 0, dtype: torch.dtype = torch.float32, **o
     kwargs = {**COMMON, **extra, **overrides}
     config = config_cls(**kwargs)
     torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa" if arch != "gemma2" else "eager")
+    model = transformers.AutoModelForCausalLM.from_config(
+        config, dtype=dtype, attn_implementation="sdpa" if arch != "gemma2" else "eager"
+    )
     # Larger init than the default 0.02 makes logits less flat, so greedy ties are rare.
     with torch.no_grad():
-        for name, p in model.named_parameters():
+        for _name, p in model.named_parameters():
             if p.dim() >= 2:
                 p.normal_(0.0, 0.08)
     model.generation_config.eos_token_id = 2
@@ -57,7 +64,9 @@ def make_model(arch: str, seed: int = 0, dtype: torch.dtype = torch.float32, **o
     return model.eval()
 
 
-def make_prompts(n: int, lengths: tuple[int, int] = (3, 90), vocab: int = 512, seed: int = 0) -> list[list[int]]:
+def make_prompts(
+    n: int, lengths: tuple[int, int] = (3, 90), vocab: int = 512, seed: int = 0
+) -> list[list[int]]:
     """``n`` random prompts with lengths spread over ``lengths`` (token 0-2 avoided)."""
     g = torch.Generator().manual_seed(seed)
     lo, hi = lengths

@@ -10,8 +10,12 @@ import sys
 def _generate(argv: list[str]) -> None:
     parser = argparse.ArgumentParser(prog="cbgen generate", description="Generate text for prompts.")
     parser.add_argument("prompts", nargs="*", help="prompts (default: read --file)")
-    parser.add_argument("--file", help="a text file with one prompt per line, or .jsonl with a 'prompt' field")
-    parser.add_argument("--model", default=None, help="HF folder or .gguf file (default: SmolLM2-135M-Instruct)")
+    parser.add_argument(
+        "--file", help="a text file with one prompt per line, or .jsonl with a 'prompt' field"
+    )
+    parser.add_argument(
+        "--model", default=None, help="HF folder or .gguf file (default: SmolLM2-135M-Instruct)"
+    )
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--temperature", type=float, default=0.0)
@@ -35,7 +39,9 @@ def _generate(argv: list[str]) -> None:
     from cbgen import LLM, SamplingParams
 
     llm = LLM(args.model, dtype=args.dtype)
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed)
+    params = SamplingParams(
+        max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed
+    )
     if args.raw:
         outputs = llm.generate(prompts, params)
     else:
@@ -43,8 +49,16 @@ def _generate(argv: list[str]) -> None:
     for prompt, out in zip(prompts, outputs):
         completion = out.outputs[0]
         if args.json:
-            print(json.dumps({"prompt": prompt, "text": completion.text, "finish_reason": completion.finish_reason,
-                              "num_tokens": len(completion.token_ids)}))
+            print(
+                json.dumps(
+                    {
+                        "prompt": prompt,
+                        "text": completion.text,
+                        "finish_reason": completion.finish_reason,
+                        "num_tokens": len(completion.token_ids),
+                    }
+                )
+            )
         else:
             print(f">>> {prompt}\n{completion.text.strip()}\n")
 

@@ -26,7 +26,9 @@ class EngineConfig:
     device: str | None = None
     dtype: str = "auto"
     # CUDA fast path
-    enforce_eager: bool = False
+    # None: CUDA graphs on CUDA, plain eager on CPU.  False on CPU runs decode steps through the same
+    # padded fixed-shape path that CUDA captures (used by tests); True never pads.
+    enforce_eager: bool | None = None
     compile: bool = False
     async_scheduling: bool | None = None  # None: on for CUDA, off for CPU
     attention_backend: str = "auto"  # "auto" | "torch" | "triton" | "flash_attn"
@@ -38,18 +40,32 @@ class EngineConfig:
             if not cond:
                 raise ValueError(f"EngineConfig: {msg}")
 
-        need(isinstance(self.max_num_batched_tokens, int) and self.max_num_batched_tokens >= 1,
-             f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens!r}")
-        need(isinstance(self.max_num_seqs, int) and self.max_num_seqs >= 1,
-             f"max_num_seqs must be >= 1, got {self.max_num_seqs!r}")
-        need(isinstance(self.block_size, int) and self.block_size >= 1,
-             f"block_size must be >= 1, got {self.block_size!r}")
-        need(self.num_blocks is None or (isinstance(self.num_blocks, int) and self.num_blocks >= 1),
-             f"num_blocks must be >= 1 or None, got {self.num_blocks!r}")
-        need(self.kv_cache_memory is None or self.kv_cache_memory > 0,
-             f"kv_cache_memory must be a positive number of bytes, got {self.kv_cache_memory!r}")
-        need(0.0 < self.kv_cache_memory_fraction <= 1.0,
-             f"kv_cache_memory_fraction must be in (0, 1], got {self.kv_cache_memory_fraction!r}")
+        need(
+            isinstance(self.max_num_batched_tokens, int) and self.max_num_batched_tokens >= 1,
+            f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens!r}",
+        )
+        need(
+            isinstance(self.max_num_seqs, int) and self.max_num_seqs >= 1,
+            f"max_num_seqs must be >= 1, got {self.max_num_seqs!r}",
+        )
+        need(
+            isinstance(self.block_size, int) and self.block_size >= 1,
+            f"block_size must be >= 1, got {self.block_size!r}",
+        )
+        need(
+            self.num_blocks is None or (isinstance(self.num_blocks, int) and self.num_blocks >= 1),
+            f"num_blocks must be >= 1 or None, got {self.num_blocks!r}",
+        )
+        need(
+            self.kv_cache_memory is None or self.kv_cache_memory > 0,
+            f"kv_cache_memory must be a positive number of bytes, got {self.kv_cache_memory!r}",
+        )
+        need(
+            0.0 < self.kv_cache_memory_fraction <= 1.0,
+            f"kv_cache_memory_fraction must be in (0, 1], got {self.kv_cache_memory_fraction!r}",
+        )
         need(self.max_logprobs >= 0, f"max_logprobs must be >= 0, got {self.max_logprobs!r}")
-        need(self.attention_backend in ("auto", "torch", "triton", "flash_attn"),
-             f"attention_backend must be auto|torch|triton|flash_attn, got {self.attention_backend!r}")
+        need(
+            self.attention_backend in ("auto", "torch", "triton", "flash_attn"),
+            f"attention_backend must be auto|torch|triton|flash_attn, got {self.attention_backend!r}",
+        )

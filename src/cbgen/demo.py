@@ -18,7 +18,9 @@ from cbgen.utils import human_bytes
 def main(argv: list[str] | None = None) -> None:
     """Runs the demo and prints text samples, tokens/s and the KV-cache size."""
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--model", default=None, help="HF folder or .gguf file (default: SmolLM2-135M-Instruct)")
+    parser.add_argument(
+        "--model", default=None, help="HF folder or .gguf file (default: SmolLM2-135M-Instruct)"
+    )
     parser.add_argument("--num-prompts", type=int, default=32)
     parser.add_argument("--max-tokens", type=int, default=96)
     parser.add_argument("--dtype", default="auto")
@@ -42,7 +44,9 @@ def main(argv: list[str] | None = None) -> None:
     kv = llm.engine.kv_cache
     stats = llm.stats
     print("\n" + "-" * 72)
-    print(f"model            : {type(llm.model).__name__} ({next(llm.model.parameters()).dtype}, loaded in {t_load:.1f}s)")
+    print(
+        f"model            : {type(llm.model).__name__} ({next(llm.model.parameters()).dtype}, loaded in {t_load:.1f}s)"
+    )
     print(f"requests         : {len(outputs)} chat prompts, {prompt_tokens} prompt tokens")
     print(f"generated        : {generated} tokens in {elapsed:.2f}s = {generated / elapsed:.1f} tokens/s")
     print(f"total throughput : {(generated + prompt_tokens) / elapsed:.1f} tokens/s (prompt + generated)")
@@ -50,8 +54,10 @@ def main(argv: list[str] | None = None) -> None:
         f"KV cache         : {kv.num_blocks} blocks x {kv.block_size} tokens = "
         f"{kv.num_blocks * kv.block_size} tokens, {human_bytes(kv.nbytes)}"
     )
-    print(f"engine           : {stats.steps} steps, mean batch {stats.mean_batch_size:.1f} seqs, "
-          f"{stats.preemptions} preemptions, torch threads {torch.get_num_threads()}")
+    print(
+        f"engine           : {stats.steps} steps, mean batch {stats.mean_batch_size:.1f} seqs, "
+        f"{stats.preemptions} preemptions, torch threads {torch.get_num_threads()}"
+    )
 
 
 if __name__ == "__main__":

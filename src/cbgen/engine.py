@@ -23,7 +23,7 @@ from cbgen.core.block_manager import BlockManager
 from cbgen.core.scheduler import Scheduler
 from cbgen.model.input_batch import InputBuilder, ModelInput
 from cbgen.model.kv_cache import KVCache, KVGeometry, choose_num_blocks
-from cbgen.model.runner import ModelRunner
+from cbgen.model.runner import ModelRunner, choose_backend
 from cbgen.model.weights import WeightWatcher
 from cbgen.output_processor import OutputProcessor
 from cbgen.outputs import RequestOutput
@@ -113,7 +113,9 @@ class Engine:
         param = next(model.parameters())
         self.device = param.device
         self.dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
-        text_config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+        text_config = (
+            model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+        )
         self.vocab_size = int(text_config.vocab_size)
         self.max_model_len = int(
             config.max_model_len or getattr(text_config, "max_position_embeddings", None) or 1 << 20
@@ -133,7 +135,18 @@ class Engine:
         self.kv_cache = KVCache(geometry, num_blocks, config.block_size, self.device)
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_batched_tokens, config.max_num_seqs)
-        self.runner = ModelRunner(model, self.kv_cache, self.device)
+        self.runner = ModelRunner(
+            model,
+            self.kv_cache,
+            self.device,
+            backend=choose_backend(config.attention_backend, self.device),
+            max_num_seqs=config.max_num_seqs,
+            max_model_len=self.max_model_len,
+            enforce_eager=config.enforce_eager,
+            compile=config.compile,
+            cuda_graph_max_batch=config.cuda_graph_max_batch,
+        )
+        self.runner.warmup()
         self.input_builder = InputBuilder(config.block_size, self.device)
         self.sampler = Sampler(self.vocab_size, logits_processors, seed=config.seed)
         self.output_processor = OutputProcessor(tokenizer)
@@ -170,9 +183,7 @@ class Engine:
             raise ValueError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
         if len(prompt_token_ids) == 0:
             raise ValueError("prompt is empty: at least one token is needed")
-        bad = next(
-            (t for t in prompt_token_ids if type(t) is not int or not 0 <= t < self.vocab_size), None
-        )
+        bad = next((t for t in prompt_token_ids if type(t) is not int or not 0 <= t < self.vocab_size), None)
         if bad is not None:
             raise ValueError(f"prompt token id {bad!r} is outside the vocabulary [0, {self.vocab_size})")
         if len(prompt_token_ids) >= self.max_model_len:
@@ -254,12 +265,18 @@ class Engine:
         self.reset_prefix_cache()
         # Policy: a request in flight when the weights change is recomputed from its prompt under the
         # new weights, discarding what it generated, so every output comes from one weight version.
+        # A streamed request cannot take back what it already sent: it keeps its tokens and only its
+        # K/V is recomputed under the new weights.
         for request in list(self.scheduler.running) + list(self.scheduler.waiting):
             if request.num_computed_tokens == 0 and request.num_output_tokens == 0:
                 request.weight_version = self.weights.version
                 continue
             self.scheduler.remove(request)
-            self._restart(request)
+            if self.groups[request.group_id].stream:
+                request.num_computed_tokens = 0
+                request.weight_version = self.weights.version
+            else:
+                self._restart(request)
             self.scheduler.requeue(request)
         self.scheduler.remove_finished()
 
@@ -285,6 +302,8 @@ class Engine:
         """Runs one scheduling + forward + sampling step; returns outputs of groups that changed
         (every step for streamed groups, once at the end for the others)."""
         t0 = time.perf_counter()
+        if not self.kv_cache.allocated:
+            raise RuntimeError("the KV cache was released: call resume_memory() before generating again")
         self._check_weights()
         sched = self.scheduler.schedule()
         t1 = time.perf_counter()
@@ -483,12 +502,15 @@ class Engine:
             raise RuntimeError("release_memory() needs an idle engine: requests are still in flight")
         self.block_manager.reset_prefix_cache()
         self.kv_cache.release()
+        self.runner.release()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 
     def resume_memory(self) -> None:
-        """Re-allocates the KV cache after :meth:`release_memory`."""
+        """Re-allocates the KV cache (and static decode buffers) after :meth:`release_memory`."""
         self.kv_cache.allocate()
+        self.runner.resume()
+        self.runner.warmup()
 
 
 def _with_max_tokens(params: SamplingParams, limit: int) -> SamplingParams:

@@ -107,9 +107,7 @@ class LLM:
         params = self._params_list(sampling_params, len(encoded))
         for (ids, _), p in zip(encoded, params):
             self.engine.validate(ids, p)
-        ids_out = [
-            self.engine.add_request(ids, p, prompt=text) for (ids, text), p in zip(encoded, params)
-        ]
+        ids_out = [self.engine.add_request(ids, p, prompt=text) for (ids, text), p in zip(encoded, params)]
         results = self._run(set(ids_out), use_tqdm=use_tqdm)
         return [results[i] for i in ids_out]
 
@@ -128,7 +126,10 @@ class LLM:
             messages = [messages]  # one conversation
         prompts = [
             self.tokenizer.apply_chat_template(
-                conv, tokenize=True, add_generation_prompt=add_generation_prompt, return_dict=False,
+                conv,
+                tokenize=True,
+                add_generation_prompt=add_generation_prompt,
+                return_dict=False,
                 **(chat_template_kwargs or {}),
             )
             for conv in messages

@@ -116,7 +116,9 @@ def test_request_that_can_never_fit_fails_instead_of_hanging():
     block_size=st.sampled_from([1, 2, 4, 8]),
     budget=st.integers(1, 40),
     max_seqs=st.integers(1, 6),
-    ops=st.lists(st.tuples(st.sampled_from(["add", "step", "step", "abort"]), st.integers(0, 10**6)), max_size=60),
+    ops=st.lists(
+        st.tuples(st.sampled_from(["add", "step", "step", "abort"]), st.integers(0, 10**6)), max_size=60
+    ),
 )
 def test_invariants_under_random_add_step_abort(num_blocks, block_size, budget, max_seqs, ops):
     eng = FakeEngine(num_blocks, block_size, budget, max_seqs)

@@ -57,7 +57,9 @@ class AttentionMetadata:
         return mask
 
 
-def _prefill_mask(q_len: int, ctx_len: int, sliding_window: int | None, device: torch.device) -> torch.Tensor | None:
+def _prefill_mask(
+    q_len: int, ctx_len: int, sliding_window: int | None, device: torch.device
+) -> torch.Tensor | None:
     """Causal (and windowed) mask for a chunk whose first query sits at absolute position ``ctx_len``."""
     if ctx_len == 0 and sliding_window is None:
         return None  # plain causal: let SDPA use is_causal
@@ -124,8 +126,15 @@ def paged_attention_forward(
 def _decode(meta, q, k_cache, v_cache, scale, sliding_window, softcap) -> torch.Tensor:
     if meta.decode_fn is not None:
         return meta.decode_fn(
-            q, k_cache, v_cache, meta.decode_block_table, meta.decode_seq_lens, scale,
-            sliding_window=sliding_window, softcap=softcap, max_seq_len=meta.decode_max_len,
+            q,
+            k_cache,
+            v_cache,
+            meta.decode_block_table,
+            meta.decode_seq_lens,
+            scale,
+            sliding_window=sliding_window,
+            softcap=softcap,
+            max_seq_len=meta.decode_max_len,
         )
     keys = paged_ops.gather_kv(k_cache, meta.decode_block_table, meta.decode_max_len)
     values = paged_ops.gather_kv(v_cache, meta.decode_block_table, meta.decode_max_len)

@@ -86,8 +86,15 @@ def choose_num_blocks(
             )
     logger.info(
         "KV cache: %d blocks x %d tokens = %d tokens, %.1f MiB (%s; %d layers, %d KV heads, head_dim %d, %s)",
-        chosen, block_size, chosen * block_size, chosen * per_block / 2**20, source,
-        geometry.num_layers, geometry.num_kv_heads, geometry.head_dim, geometry.dtype,
+        chosen,
+        block_size,
+        chosen * block_size,
+        chosen * per_block / 2**20,
+        source,
+        geometry.num_layers,
+        geometry.num_kv_heads,
+        geometry.head_dim,
+        geometry.dtype,
     )
     return chosen
 
@@ -105,9 +112,14 @@ class KVCache:
         self.allocate()
 
     @property
+    def scratch_slot(self) -> int:
+        """First slot of the scratch block, which no sequence ever owns."""
+        return self.num_blocks * self.block_size
+
+    @property
     def nbytes(self) -> int:
         """Total bytes of the cache tensors."""
-        return self.num_blocks * self.geometry.bytes_per_block(self.block_size)
+        return (self.num_blocks + 1) * self.geometry.bytes_per_block(self.block_size)
 
     @property
     def allocated(self) -> bool:
@@ -120,7 +132,8 @@ class KVCache:
         if self.layers:
             return
         g = self.geometry
-        shape = (self.num_blocks, self.block_size, g.num_kv_heads, g.head_dim)
+        # One extra block at the end is scratch space for padding rows of fixed-shape decode steps.
+        shape = (self.num_blocks + 1, self.block_size, g.num_kv_heads, g.head_dim)
         with torch.inference_mode():
             self.layers = [
                 (

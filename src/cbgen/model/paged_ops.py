@@ -28,9 +28,7 @@ def store_kv(
     flat_v.index_copy_(0, slot_mapping, value.to(flat_v.dtype))
 
 
-def gather_kv(
-    cache: torch.Tensor, block_table: torch.Tensor, max_len: int | None = None
-) -> torch.Tensor:
+def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, max_len: int | None = None) -> torch.Tensor:
     """Gathers each row's blocks into a padded ``[B, Hkv, L, D]`` view (``L`` = blocks x block_size)."""
     num_rows, max_blocks = block_table.shape
     block_size = cache.shape[1]
@@ -40,9 +38,7 @@ def gather_kv(
     return out.transpose(1, 2)
 
 
-def decode_mask(
-    seq_lens: torch.Tensor, length: int, sliding_window: int | None = None
-) -> torch.Tensor:
+def decode_mask(seq_lens: torch.Tensor, length: int, sliding_window: int | None = None) -> torch.Tensor:
     """Boolean ``[B, 1, 1, L]`` mask: key ``j`` is visible to the newest token of a row of length ``n``
     when ``j < n`` and, with a window ``w``, ``j > n - 1 - w``."""
     idx = torch.arange(length, device=seq_lens.device)

@@ -13,6 +13,7 @@ from collections.abc import Iterator
 import torch
 
 from cbgen.model import attention
+from cbgen.model.graphs import StaticDecodeRunner
 from cbgen.model.input_batch import ModelInput
 from cbgen.model.kv_cache import KVCache
 
@@ -30,16 +31,104 @@ def _attention_configs(model: torch.nn.Module) -> list:
     return list(configs.values())
 
 
-class ModelRunner:
-    """Executes forwards for the engine; owns the KV cache."""
+def choose_backend(requested: str, device: torch.device) -> str:
+    """``torch`` everywhere; ``triton`` on CUDA when Triton is installed (``auto`` picks it there)."""
+    if requested in ("auto", "triton"):
+        from cbgen.model import triton_ops
 
-    def __init__(self, model: torch.nn.Module, kv_cache: KVCache, device: torch.device) -> None:
+        if triton_ops.HAS_TRITON and (
+            device.type == "cuda" or (requested == "triton" and triton_ops.available(device))
+        ):
+            return "triton"
+        if requested == "triton":
+            raise ValueError(
+                "attention_backend='triton' needs triton and a CUDA device (or TRITON_INTERPRET=1)"
+            )
+        return "torch"
+    if requested == "flash_attn":
+        raise ValueError(
+            "attention_backend='flash_attn' is not supported yet; use 'auto', 'torch' or 'triton'"
+        )
+    return "torch"
+
+
+class ModelRunner:
+    """Executes forwards for the engine; owns the KV cache and the fixed-shape decode path.
+
+    ``use_static_decode`` routes decode-only steps through :class:`StaticDecodeRunner` (CUDA graphs on
+    CUDA unless ``enforce_eager``); ``compile`` wraps that path's forward in ``torch.compile``.
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        kv_cache: KVCache,
+        device: torch.device,
+        backend: str = "torch",
+        max_num_seqs: int = 256,
+        max_model_len: int = 8192,
+        enforce_eager: bool | None = None,
+        compile: bool = False,
+        cuda_graph_max_batch: int | None = None,
+    ) -> None:
         self.model = model
         self.kv_cache = kv_cache
         self.device = device
         self.attn_name = attention.register()
         self._configs = _attention_configs(model)
         self._check_layers()
+        self.backend = backend
+        self.decode_fn = self.store_fn = None
+        if backend == "triton":
+            from cbgen.model import triton_ops
+
+            self.decode_fn = triton_ops.triton_paged_decode_attention
+            self.store_fn = triton_ops.triton_store_kv
+        use_graphs = device.type == "cuda" and not enforce_eager
+        use_static = use_graphs or compile or enforce_eager is False
+        self.compiled = compile
+        self.static: StaticDecodeRunner | None = None
+        if use_static:
+            forward = self._forward
+            if compile:
+                forward = torch.compile(self._forward, dynamic=False)
+            dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+            self.static = StaticDecodeRunner(
+                forward=forward,
+                kv_layers=lambda: self.kv_cache.layers,
+                block_size=kv_cache.block_size,
+                max_batch=min(cuda_graph_max_batch or max_num_seqs, max_num_seqs),
+                max_width=-(-max_model_len // kv_cache.block_size),
+                device=device,
+                dtype=dtype,
+                scratch_slot=kv_cache.scratch_slot,
+                decode_fn=self.decode_fn,
+                store_fn=self.store_fn,
+                backend=backend,
+                use_cuda_graphs=use_graphs,
+            )
+
+    def _forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        rows: torch.Tensor,
+        meta: attention.AttentionMetadata,
+    ) -> torch.Tensor:
+        out = self.model(
+            input_ids=input_ids[None],
+            position_ids=positions[None],
+            use_cache=False,
+            logits_to_keep=rows,
+            cbgen_meta=meta,
+        )
+        return out.logits[0]
+
+    def warmup(self) -> None:
+        """Captures the decode CUDA graphs (largest bucket first) before the first request."""
+        if self.static is not None and self.static.use_cuda_graphs:
+            with torch.inference_mode(), self._paged_mode():
+                self.static.capture_all()
 
     def _check_layers(self) -> None:
         indices = {
@@ -73,13 +162,20 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, batch: ModelInput) -> torch.Tensor:
         """Forward over the packed batch; returns logits ``[R, V]`` for ``batch.logits_indices``."""
-        batch.meta.kv_caches = self.kv_cache.layers
+        meta = batch.meta
+        meta.kv_caches = self.kv_cache.layers
+        meta.decode_fn, meta.store_fn = self.decode_fn, self.store_fn
         with self._paged_mode():
-            out = self.model(
-                input_ids=batch.input_ids[None],
-                position_ids=batch.positions[None],
-                use_cache=False,
-                logits_to_keep=batch.logits_indices,
-                cbgen_meta=batch.meta,
-            )
-        return out.logits[0]
+            if self.static is not None and self.static.can_run(batch):
+                return self.static.run(batch)
+            return self._forward(batch.input_ids, batch.positions, batch.logits_indices, meta)
+
+    def release(self) -> None:
+        """Drops graphs and static buffers (the KV cache is released by its owner)."""
+        if self.static is not None:
+            self.static.release()
+
+    def resume(self) -> None:
+        """Re-creates what :meth:`release` dropped."""
+        if self.static is not None:
+            self.static.resume()

@@ -28,14 +28,14 @@ class WeightWatcher:
         for p in self._params:
             versions += p._version
             pointers ^= p.data_ptr()
-        adapters = tuple(
-            (bool(m.disable_adapters), tuple(m.active_adapters)) for m in self._adapter_modules
-        )
+        adapters = tuple((bool(m.disable_adapters), tuple(m.active_adapters)) for m in self._adapter_modules)
         return versions, pointers, len(self._params), adapters
 
     def refresh_modules(self) -> None:
         """Re-reads the parameter list (after adapters are added or removed)."""
-        self._params = [p for _, p in self.model.named_parameters()] + [b for _, b in self.model.named_buffers()]
+        self._params = [p for _, p in self.model.named_parameters()] + [
+            b for _, b in self.model.named_buffers()
+        ]
         self._adapter_modules = _adapter_layers(self.model)
 
     def changed(self) -> bool:

@@ -1,0 +1,527 @@
+"""``AsyncEngine``: an asyncio front end over one :class:`~cbgen.engine.Engine` driven by a background thread.
+
+The engine is not thread-safe, so exactly one thread (the *engine thread*) ever calls into it.  Callers
+on any asyncio loop submit adds and aborts through a locked command queue; the engine thread drains that
+queue between steps, runs ``step()`` while there is work and sleeps on a condition variable when there
+is none.  Torch releases the GIL inside its kernels, so the event loop keeps serving sockets while a
+step runs.  Outputs go back to each request's ``asyncio.Queue`` through ``loop.call_soon_threadsafe``,
+batched per loop and per step so a busy engine costs one wake-up per step, not one per request.
+
+Failure isolation:
+
+* bad input raises ``ValueError`` in the caller before anything reaches the engine thread;
+* an error inside one request (e.g. a failing logits processor) arrives as that request's final
+  output with ``finish_reason == "error"`` and ``RequestOutput.error`` set; others are untouched;
+* an exception escaping ``Engine.step()`` itself fails every request in flight with an error output
+  (their blocks are released through ``Engine.abort``) and the loop keeps running for new requests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import operator
+import threading
+import time
+import uuid
+from collections import defaultdict, deque
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from cbgen.engine import Engine
+from cbgen.outputs import CompletionOutput, RequestOutput
+from cbgen.sampling_params import SamplingParams
+
+logger = logging.getLogger("cbgen")
+
+__all__ = [
+    "AsyncEngine",
+    "AsyncEngineStats",
+    "EngineShutdownError",
+    "QueueFullError",
+    "RequestStream",
+]
+
+
+class QueueFullError(RuntimeError):
+    """Raised by :meth:`AsyncEngine.add_request` / :meth:`AsyncEngine.generate` when
+    ``max_concurrent_requests`` requests are already in flight (servers map it to HTTP 429)."""
+
+
+class EngineShutdownError(RuntimeError):
+    """Raised when a request is submitted to an engine that is shutting down or has stopped."""
+
+
+@dataclass(frozen=True)
+class AsyncEngineStats:
+    """A consistent snapshot of the engine, taken on the engine thread after every loop iteration."""
+
+    running: int = 0  # sequences in the scheduler's running list
+    waiting: int = 0  # sequences waiting for admission (or preempted)
+    in_flight: int = 0  # requests submitted and not yet finished or cancelled
+    kv_usage: float = 0.0  # fraction of KV blocks in use
+    num_blocks: int = 0
+    num_free_blocks: int = 0
+    num_used_blocks: int = 0
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    preemptions: int = 0
+    requests_finished: int = 0
+    requests_aborted: int = 0
+    requests_failed: int = 0
+    steps: int = 0
+    step_errors: int = 0
+    paused: bool = False
+    alive: bool = True
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        """Fraction of looked-up prompt tokens that the prefix cache served."""
+        return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
+
+
+class RequestStream:
+    """The consumer side of one request: an async iterator of delta :class:`RequestOutput`.
+
+    The last item has ``finished=True``.  Call :meth:`cancel` (or let :meth:`AsyncEngine.generate`
+    do it) when giving up early, so the engine aborts the request and frees its blocks.
+    """
+
+    def __init__(self, request_id: str, owner: AsyncEngine, loop: asyncio.AbstractEventLoop) -> None:
+        self.request_id = request_id
+        self.loop = loop
+        self.arrival_time = time.monotonic()
+        self._owner = owner
+        self._queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        self.finished = False  # the consumer has seen the final output (or an exception)
+        self.cancelled = False
+        self.n = 1  # samples per request, so a synthesised error output has one entry per sample
+
+    def _put(self, item: RequestOutput | BaseException) -> None:
+        if not self.cancelled:
+            self._queue.put_nowait(item)
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self.finished or self.cancelled:
+            raise StopAsyncIteration
+        item = await self._queue.get()
+        if isinstance(item, BaseException):
+            self.finished = True
+            raise item
+        if item.finished:
+            self.finished = True
+        return item
+
+    def cancel(self) -> None:
+        """Aborts the request unless it already finished; idempotent and safe from the stream's loop."""
+        if self.finished or self.cancelled:
+            return
+        self.cancelled = True
+        self._owner._cancel_stream(self)
+
+
+class _Pause:
+    """Context manager (sync and async) returned by :meth:`AsyncEngine.pause`."""
+
+    def __init__(self, owner: AsyncEngine) -> None:
+        self._owner = owner
+
+    def __enter__(self) -> AsyncEngine:
+        self._owner._pause_begin()
+        try:
+            self._owner._wait_parked()
+        except BaseException:
+            self._owner._pause_end()
+            raise
+        return self._owner
+
+    def __exit__(self, *exc: object) -> None:
+        self._owner._pause_end()
+
+    async def __aenter__(self) -> AsyncEngine:
+        self._owner._pause_begin()
+        try:
+            # Waiting on a threading.Condition would block the loop; a worker thread waits instead.
+            await asyncio.to_thread(self._owner._wait_parked)
+        except BaseException:
+            self._owner._pause_end()
+            raise
+        return self._owner
+
+    async def __aexit__(self, *exc: object) -> None:
+        self._owner._pause_end()
+
+
+class AsyncEngine:
+    """Serves many concurrent asyncio consumers from one engine stepped by a background thread.
+
+    ``llm_or_engine`` is an :class:`~cbgen.llm.LLM` (its engine and tokenizer are used) or an
+    :class:`~cbgen.engine.Engine`.  ``max_concurrent_requests`` bounds the requests in flight
+    (None: unbounded); past it, submissions raise :class:`QueueFullError`.
+    """
+
+    def __init__(
+        self,
+        llm_or_engine: Any,
+        max_concurrent_requests: int | None = None,
+        tokenizer: Any = None,
+    ) -> None:
+        engine = (
+            llm_or_engine if isinstance(llm_or_engine, Engine) else getattr(llm_or_engine, "engine", None)
+        )
+        if not isinstance(engine, Engine):
+            raise TypeError(f"AsyncEngine needs an LLM or an Engine, got {type(llm_or_engine).__name__}")
+        if max_concurrent_requests is not None and max_concurrent_requests < 1:
+            raise ValueError(f"max_concurrent_requests must be >= 1 or None, got {max_concurrent_requests!r}")
+        self.engine = engine
+        self.tokenizer = tokenizer or getattr(llm_or_engine, "tokenizer", None) or engine.tokenizer
+        self.max_concurrent_requests = max_concurrent_requests
+
+        self._cond = threading.Condition()
+        self._commands: deque[tuple] = deque()
+        self._active: dict[str, RequestStream] = {}  # admission and id uniqueness; guarded by _cond
+        self._by_rid: dict[str, RequestStream] = {}  # engine-thread only: engine request -> its stream
+        self._accepting = True
+        self._stopping = False
+        self._pause_depth = 0
+        self._parked = False
+        self._step_errors = 0
+        self._stats = AsyncEngineStats()
+        self._snapshot()
+        self._thread = threading.Thread(target=self._run, name="cbgen-engine", daemon=True)
+        self._thread.start()
+
+    @classmethod
+    def from_llm(cls, llm: Any, **kwargs: Any) -> AsyncEngine:
+        """Builds an AsyncEngine over ``llm.engine`` (keyword arguments as in the constructor)."""
+        return cls(llm, **kwargs)
+
+    # ------------------------------------------------------------------ submitting
+    def _encode(self, prompt: str | Sequence[int]) -> tuple[list[int], str | None]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("string prompts need a tokenizer; pass token ids instead")
+            return list(self.tokenizer.encode(prompt, add_special_tokens=True)), prompt
+        if isinstance(prompt, (bytes, bytearray)) or not isinstance(prompt, Sequence):
+            raise ValueError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}")
+        ids = []
+        for t in prompt:
+            if isinstance(t, bool):
+                raise ValueError(f"prompt token id {t!r} is not an integer")
+            try:
+                ids.append(operator.index(t))
+            except TypeError:
+                raise ValueError(f"prompt token id {t!r} is not an integer") from None
+        return ids, None
+
+    def add_request(
+        self,
+        prompt: str | Sequence[int],
+        params: SamplingParams,
+        request_id: str | None = None,
+    ) -> RequestStream:
+        """Validates and queues one request; returns its :class:`RequestStream`.
+
+        Must be called from a running asyncio loop (the stream delivers to it).  Raises
+        ``ValueError`` for bad input, :class:`QueueFullError` past the concurrency bound and
+        :class:`EngineShutdownError` once shutdown started; nothing is queued in those cases.
+        """
+        loop = asyncio.get_running_loop()
+        ids, text = self._encode(prompt)
+        # Validation reads only immutable engine facts (vocab, context, cache size), so it is safe
+        # on the caller's thread and reports errors before the request exists anywhere.
+        self.engine.validate(ids, params)
+        if request_id is not None and (not isinstance(request_id, str) or not request_id):
+            raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
+        rid = request_id or f"areq-{uuid.uuid4().hex}"
+        stream = RequestStream(rid, self, loop)
+        stream.n = params.n
+        with self._cond:
+            if not self._accepting or not self._thread.is_alive():
+                raise EngineShutdownError("the engine is shutting down and accepts no new requests")
+            if rid in self._active:
+                raise ValueError(f"request id {rid!r} is already in use")
+            if self.max_concurrent_requests is not None and len(self._active) >= self.max_concurrent_requests:
+                raise QueueFullError(
+                    f"too many requests in flight ({len(self._active)} >= {self.max_concurrent_requests}); retry later"
+                )
+            self._active[rid] = stream
+            self._commands.append(("add", stream, ids, params, text))
+            self._cond.notify_all()
+        return stream
+
+    async def generate(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams,
+        request_id: str | None = None,
+    ) -> AsyncIterator[RequestOutput]:
+        """Yields delta outputs of one request; the last has ``finished=True``.
+
+        Raises ``ValueError`` (bad input), :class:`QueueFullError` or :class:`EngineShutdownError`
+        on the first iteration, before anything is queued.  Closing the generator or cancelling the
+        consuming task aborts the request and frees its KV blocks.
+        """
+        stream = self.add_request(prompt, params, request_id)
+        try:
+            async for out in stream:
+                yield out
+        finally:
+            stream.cancel()
+
+    async def abort(self, request_id: str) -> None:
+        """Aborts a request; its consumer receives a final output with ``finish_reason == "abort"``."""
+        with self._cond:
+            if request_id not in self._active:
+                return
+            self._commands.append(("abort", request_id))
+            self._cond.notify_all()
+
+    def _cancel_stream(self, stream: RequestStream) -> None:
+        with self._cond:
+            if self._active.get(stream.request_id) is stream:
+                del self._active[stream.request_id]
+            self._commands.append(("abort", stream.request_id))
+            self._cond.notify_all()
+
+    # ------------------------------------------------------------------ control
+    def pause(self) -> _Pause:
+        """Context manager (``with`` or ``async with``) that parks the engine thread between steps.
+
+        KV cache and in-flight requests are kept; while parked the engine thread makes no engine calls
+        at all, so the holder may use the engine (e.g. update weights; the change is detected on the
+        next step).  Submissions made meanwhile are queued and run after the pause ends.  Pauses nest.
+
+        The engine recomputes a request that is in flight across a weight change from its prompt, so
+        its stream starts over: later outputs carry the new ``weight_version`` and repeat from the
+        first generated token.  Consumers that concatenate deltas must restart when it changes.
+        """
+        return _Pause(self)
+
+    def _pause_begin(self) -> None:
+        with self._cond:
+            self._pause_depth += 1
+            self._cond.notify_all()
+
+    def _pause_end(self) -> None:
+        with self._cond:
+            self._pause_depth -= 1
+            self._cond.notify_all()
+
+    def _wait_parked(self) -> None:
+        with self._cond:
+            while not self._parked and self._thread.is_alive():
+                self._cond.wait(0.05)
+
+    def start_shutdown(self, abort_inflight: bool = True) -> None:
+        """Stops accepting requests without waiting; with ``abort_inflight`` every request in flight is
+        aborted (its consumer gets a final ``"abort"`` output), else they run to completion.
+        Safe to call from any thread, any number of times."""
+        with self._cond:
+            self._accepting = False
+            self._stopping = True
+            if abort_inflight:
+                for rid in self._active:
+                    self._commands.append(("abort", rid))
+            self._cond.notify_all()
+
+    def shutdown(self, abort_inflight: bool = True, timeout: float | None = None) -> None:
+        """:meth:`start_shutdown`, then waits (up to ``timeout`` seconds) for the engine thread to exit.
+
+        With ``abort_inflight=False`` this waits for every request in flight to finish.
+        """
+        self.start_shutdown(abort_inflight)
+        if threading.current_thread() is not self._thread:
+            self._thread.join(timeout)
+
+    @property
+    def is_running(self) -> bool:
+        """True while the engine thread is alive and new requests are accepted."""
+        return self._accepting and self._thread.is_alive()
+
+    def stats(self) -> AsyncEngineStats:
+        """The latest snapshot (refreshed by the engine thread after every iteration)."""
+        with self._cond:
+            stats = self._stats
+            in_flight = len(self._active)
+        alive = self._thread.is_alive()
+        return AsyncEngineStats(**{**stats.__dict__, "in_flight": in_flight, "alive": alive})
+
+    # ------------------------------------------------------------------ engine thread
+    def _next_commands(self) -> list[tuple] | None:
+        """Blocks until there is something to do; returns the queued commands, or None to exit."""
+        with self._cond:
+            while True:
+                if self._pause_depth > 0:
+                    if not self._parked:
+                        self._parked = True
+                        self._stats = AsyncEngineStats(**{**self._stats.__dict__, "paused": True})
+                        self._cond.notify_all()
+                    self._cond.wait()
+                    continue
+                self._parked = False
+                if self._commands:
+                    commands = list(self._commands)
+                    self._commands.clear()
+                    return commands
+                if self.engine.has_unfinished():
+                    return []
+                if self._stopping:
+                    return None
+                self._cond.wait()
+
+    def _run(self) -> None:
+        try:
+            while True:
+                commands = self._next_commands()
+                if commands is None:
+                    return
+                deliveries: list[tuple[RequestStream, RequestOutput | BaseException]] = []
+                for command in commands:
+                    self._apply(command, deliveries)
+                if self.engine.has_unfinished():
+                    try:
+                        outputs = self.engine.step()
+                    except Exception as exc:
+                        self._fail_in_flight(exc, deliveries)
+                    else:
+                        for out in outputs:
+                            self._route(out, deliveries)
+                # Snapshot first, so a consumer that just saw its final output also sees it in stats().
+                self._snapshot()
+                self._deliver(deliveries)
+        except BaseException as exc:  # pragma: no cover - a bug here must fail consumers, not hang them
+            logger.exception("cbgen engine thread crashed")
+            self._crash(exc)
+            raise
+        finally:
+            with self._cond:
+                self._accepting = False
+                self._cond.notify_all()
+
+    def _apply(self, command: tuple, deliveries: list) -> None:
+        kind = command[0]
+        if kind == "add":
+            _, stream, ids, params, text = command
+            if stream.cancelled:
+                return  # given up before it started: never touch the engine
+            try:
+                self.engine.add_request(ids, params, request_id=stream.request_id, prompt=text, stream=True)
+            except Exception as exc:
+                with self._cond:
+                    if self._active.get(stream.request_id) is stream:
+                        del self._active[stream.request_id]
+                deliveries.append((stream, exc if isinstance(exc, ValueError) else RuntimeError(str(exc))))
+                return
+            self._by_rid[stream.request_id] = stream
+        else:
+            rid = command[1]
+            try:
+                out = self.engine.abort(rid)
+            except Exception as exc:
+                logger.exception("aborting %s failed", rid)
+                self.engine.groups.pop(rid, None)
+                out = _error_output(rid, self._by_rid.get(rid), f"abort failed: {exc!r}")
+            if out is not None:
+                self._route(out, deliveries)
+
+    def _route(self, out: RequestOutput, deliveries: list) -> None:
+        stream = self._by_rid.get(out.request_id)
+        if stream is None:
+            return
+        if out.finished:
+            del self._by_rid[out.request_id]
+            with self._cond:
+                if self._active.get(out.request_id) is stream:
+                    del self._active[out.request_id]
+        if not stream.cancelled:
+            deliveries.append((stream, out))
+
+    def _fail_in_flight(self, exc: Exception, deliveries: list) -> None:
+        """A step blew up: the engine's state for the batch is unknown, so every request in flight
+        ends with an error rather than risk a hang or a silently wrong continuation."""
+        self._step_errors += 1
+        logger.exception("engine step failed; failing %d request(s) in flight", len(self.engine.groups))
+        message = f"engine step failed: {type(exc).__name__}: {exc}"
+        for rid in list(self.engine.groups):
+            try:
+                out = self.engine.abort(rid)
+            except Exception:
+                logger.exception("could not abort %s after a failed step", rid)
+                out = None
+            self.engine.groups.pop(rid, None)
+            if out is None:
+                out = _error_output(rid, self._by_rid.get(rid), message)
+            else:
+                out.finished = True
+                out.error = message
+                for completion in out.outputs:
+                    if completion.finish_reason in (None, "abort"):
+                        completion.finish_reason = "error"
+            self._route(out, deliveries)
+
+    @staticmethod
+    def _deliver(deliveries: list[tuple[RequestStream, RequestOutput | BaseException]]) -> None:
+        by_loop: dict[asyncio.AbstractEventLoop, list] = defaultdict(list)
+        for stream, item in deliveries:
+            by_loop[stream.loop].append((stream, item))
+        for loop, items in by_loop.items():
+            with contextlib.suppress(RuntimeError):  # the consumer's loop is closed: nobody is listening
+                loop.call_soon_threadsafe(_dispatch, items)
+
+    def _snapshot(self) -> None:
+        engine = self.engine
+        s = engine.stats
+        bm = engine.block_manager
+        stats = AsyncEngineStats(
+            running=len(engine.scheduler.running),
+            waiting=len(engine.scheduler.waiting),
+            kv_usage=float(bm.usage),
+            num_blocks=int(bm.num_blocks),
+            num_free_blocks=int(bm.num_free_blocks),
+            num_used_blocks=int(bm.num_used_blocks),
+            prefix_cache_queries=int(s.prefix_cache_queries),
+            prefix_cache_hits=int(s.prefix_cache_hits),
+            prompt_tokens=int(s.prompt_tokens),
+            generated_tokens=int(s.generated_tokens),
+            preemptions=int(s.preemptions),
+            requests_finished=int(s.requests_finished),
+            requests_aborted=int(s.requests_aborted),
+            requests_failed=int(s.requests_failed),
+            steps=int(s.steps),
+            step_errors=self._step_errors,
+        )
+        with self._cond:
+            self._stats = stats
+
+    def _crash(self, exc: BaseException) -> None:
+        with self._cond:
+            self._accepting = False
+            streams = list(self._active.values())
+            self._active.clear()
+        error = EngineShutdownError(f"the engine thread crashed: {exc!r}")
+        self._deliver([(s, error) for s in streams])
+
+
+def _dispatch(items: list[tuple[RequestStream, RequestOutput | BaseException]]) -> None:
+    for stream, item in items:
+        stream._put(item)
+
+
+def _error_output(request_id: str, stream: RequestStream | None, message: str) -> RequestOutput:
+    n = stream.n if stream is not None else 1
+    return RequestOutput(
+        request_id=request_id,
+        prompt=None,
+        prompt_token_ids=[],
+        outputs=[CompletionOutput(index=i, finish_reason="error") for i in range(n)],
+        finished=True,
+        error=message,
+    )

@@ -1,0 +1,165 @@
+"""Runs one benchmark workload on vLLM and writes the timings and token ids as JSON.
+
+This file is executed by the vLLM virtualenv's interpreter (``cbgen bench --vllm-python PATH``), which
+has no cbgen installed, so it imports nothing from cbgen: only the standard library and vLLM.
+
+    python vllm_runner.py --spec spec.json --out result.json
+
+``spec.json`` holds ``model`` (a safetensors folder), ``dtype``, ``prompts`` (token-id lists),
+``max_tokens`` (one per prompt), ``n``, ``temperature``, ``seed``, ``repeats``,
+``max_num_batched_tokens`` and ``max_num_seqs``.  Only ``generate`` is timed, after a short warm-up.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import time
+from pathlib import Path
+from typing import Any
+
+# Must be set before vLLM is imported.  0 reserved CPUs lets the model use every core (vLLM keeps one
+# for its scheduler by default); 2 GiB of KV cache is plenty for the built-in workloads.
+ENV_DEFAULTS = {"VLLM_CPU_NUM_OF_RESERVED_CPU": "0", "VLLM_CPU_KVCACHE_SPACE": "2"}
+
+
+def _descendants(pid: int) -> list[int]:
+    """Process ids below ``pid`` (vLLM runs its engine core in a child process)."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        children.setdefault(int(fields[1]), []).append(int(entry.name))
+    out, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            out.append(child)
+            todo.append(child)
+    return out
+
+
+def _peak_rss(pid: int) -> int | None:
+    """VmHWM (peak resident set) of one process, in bytes."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def peak_rss_tree() -> int:
+    """Sum of the peak RSS of this process and its live descendants (each process's own peak)."""
+    me = os.getpid()
+    total = 0
+    for pid in [me, *_descendants(me)]:
+        total += _peak_rss(pid) or 0
+    if total == 0:
+        total = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    return total
+
+
+def _ttft(output: Any) -> float | None:
+    """First-token latency from vLLM's request metrics, when this vLLM version records them."""
+    metrics = getattr(output, "metrics", None)
+    if metrics is None:
+        return None
+    latency = getattr(metrics, "first_token_latency", None)  # V1 RequestStateStats
+    if latency:
+        return float(latency)
+    first = getattr(metrics, "first_token_time", None)  # V0 RequestMetrics, both wall-clock
+    arrival = getattr(metrics, "arrival_time", None)
+    return float(first - arrival) if first and arrival else None
+
+
+def run(spec: dict[str, Any]) -> dict[str, Any]:
+    """Loads the model, warms up, then times ``repeats`` calls of ``generate`` over the whole workload."""
+    for key, value in ENV_DEFAULTS.items():
+        os.environ.setdefault(key, value)
+    import vllm
+    from vllm import LLM, SamplingParams
+
+    prompts = spec["prompts"]
+    budget = spec.get("max_num_batched_tokens", 2048)
+    longest = max(len(p) + m for p, m in zip(prompts, spec["max_tokens"]))
+    llm = LLM(
+        model=spec["model"],
+        dtype=spec["dtype"],
+        seed=spec.get("seed", 0),
+        # A short context keeps vLLM's start-up checks happy whether or not chunked prefill is on
+        # (without it, the token budget must cover max_model_len).
+        max_model_len=max(budget, longest),
+        max_num_batched_tokens=max(budget, longest),
+        max_num_seqs=spec.get("max_num_seqs", 256),
+        enable_prefix_caching=True,
+    )
+
+    def params(max_tokens: int, n: int) -> Any:
+        # vLLM's top_k/top_p defaults already sample from the full distribution, as cbgen does.
+        sampled = spec["temperature"] > 0
+        return SamplingParams(
+            n=n,
+            temperature=spec["temperature"],
+            max_tokens=max_tokens,
+            ignore_eos=True,
+            detokenize=False,
+            seed=spec.get("seed", 0) if sampled else None,
+        )
+
+    warm = [{"prompt_token_ids": [17, 18, 19, 20, 21, 22, 23, 24]}, {"prompt_token_ids": [31, 32, 33]}]
+    llm.generate(warm, [params(4, 1), params(4, 1)], use_tqdm=False)
+    runs, tokens = [], []
+    for _ in range(int(spec.get("repeats", 3))):
+        # A warm prefix cache from the previous repeat would flatter the later ones.
+        if hasattr(llm, "reset_prefix_cache"):
+            llm.reset_prefix_cache()
+        batch = [{"prompt_token_ids": list(p)} for p in prompts]
+        sampling = [params(m, spec.get("n", 1)) for m in spec["max_tokens"]]
+        t0 = time.perf_counter()
+        outputs = llm.generate(batch, sampling, use_tqdm=False)
+        wall = time.perf_counter() - t0
+        tokens = [[list(c.token_ids) for c in sorted(o.outputs, key=lambda c: c.index)] for o in outputs]
+        ttft = [t for t in (_ttft(o) for o in outputs) if t is not None]
+        runs.append(
+            {
+                "wall_s": wall,
+                "output_tokens": sum(len(t) for seqs in tokens for t in seqs),
+                "ttft_s": ttft or None,
+            }
+        )
+    return {
+        "runs": runs,
+        "tokens": tokens,
+        "peak_rss_bytes": peak_rss_tree(),
+        "settings": {
+            "vllm": getattr(vllm, "__version__", "?"),
+            **{k: os.environ.get(k) for k in ENV_DEFAULTS},
+            "LD_PRELOAD": os.environ.get("LD_PRELOAD", ""),
+            "max_num_batched_tokens": spec.get("max_num_batched_tokens", 2048),
+            "max_num_seqs": spec.get("max_num_seqs", 256),
+            "enable_prefix_caching": True,
+        },
+        "notes": ["peak RSS: sum of VmHWM of the vLLM process and its engine-core children"],
+    }
+
+
+def main() -> None:
+    """Command-line entry: ``--spec IN.json --out OUT.json``."""
+    parser = argparse.ArgumentParser(description="Run one cbgen benchmark workload on vLLM.")
+    parser.add_argument("--spec", required=True, type=Path)
+    parser.add_argument("--out", required=True, type=Path)
+    args = parser.parse_args()
+    result = run(json.loads(args.spec.read_text()))
+    args.out.write_text(json.dumps(result))
+
+
+if __name__ == "__main__":
+    # vLLM starts worker processes; the guard keeps them from re-running this script's body.
+    main()

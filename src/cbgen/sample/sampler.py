@@ -1,0 +1,568 @@
+"""The sampler: turns one step's logits into one token per row, with the logprobs RL needs.
+
+Processing order per row (the same as ``transformers`` ``generate()``):
+
+0. custom batch logits processors and ``min_tokens`` suppression (EOS unless ``ignore_eos``, and
+   ``stop_token_ids``, get ``-inf`` while fewer than ``min_tokens`` tokens were generated);
+1. repetition penalty (prompt + output, ``transformers`` semantics), presence/frequency penalties
+   (output only, OpenAI semantics), logit bias;
+2. temperature; 3. top-k; 4. top-p; 5. min-p (relative to the largest probability).
+
+Every step renormalises over its survivors.  ``temperature == 0`` is greedy: the argmax of the
+stage-1 logits.
+
+Randomness never touches the global torch/numpy/Python generators.  A seeded row draws its single
+uniform from a hash of ``(seed, sample_index, output position)``, so its token depends only on
+that and on its own logits, not on batch composition or scheduling.  Unseeded rows draw from a
+private ``torch.Generator`` seeded with the sampler's ``seed``.  The token is the inverse CDF at that
+uniform, computed in two levels (block sums, then one block) in float64, and can never be a token
+of zero probability.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from cbgen.request import Request
+from cbgen.sample.logits_processors import BatchLogitsProcessor
+from cbgen.sample.processors import (
+    BLOCK,
+    CPU_CHUNK_ROWS,
+    NEG_INF,
+    BatchParams,
+    apply_banned_tokens,
+    apply_frequency_presence,
+    apply_logit_bias,
+    apply_repetition_penalty,
+    block_reduce,
+    exp_rows,
+    exp_sum,
+    finite_or,
+    gather_blocks,
+    logsumexp_rows,
+    row_argmax,
+    seeded_uniform,
+    topk_desc,
+    truncation_thresholds,
+)
+
+
+@dataclass
+class SamplerOutput:
+    """One step's sampling result; all tensors are on the CPU, row ``i`` belongs to ``requests[i]``.
+
+    * ``token_ids`` ``[B]`` int64: the sampled tokens.
+    * ``logprobs`` ``[B]`` float32: log-probability of the token under the processed distribution it
+      was drawn from (stage 0/1 changes, temperature, truncation, renormalised).  0.0 for greedy rows.
+    * ``raw_logprobs`` ``[B]`` float32: ``log_softmax`` of the raw model logits (temperature 1, no
+      penalties) at the token.
+    * ``log_kept_mass`` ``[B]`` float32: log of the raw (temperature 1) probability mass of the tokens
+      that stayed eligible: not set to ``-inf`` by stage 0/1 and not cut by top-k/top-p/min-p.  For a
+      greedy row only the argmax counts, so it equals ``raw_logprobs``.  With temperature 1 and no
+      penalties or bias, ``logprobs == raw_logprobs - log_kept_mass``.
+    * ``topk_ids``/``topk_logprobs`` ``[B, K]``: ``K`` is the largest ``logprobs`` requested in the
+      batch (``None`` when that is 0 or nobody asked).  Sampled rows report processed logprobs
+      (``-inf`` for tokens cut by truncation; the ids of ``-inf`` entries are arbitrary).  Greedy rows
+      report ``log_softmax`` of the stage-1 logits at temperature 1, because the processed
+      distribution is a point mass and says nothing.  Rows that did not ask hold id -1 and NaN;
+      a row that asked for fewer than ``K`` uses its first entries (sorted best first).
+    * ``failed``: row -> message for rows that could not be processed (a custom processor raised,
+      an unknown processor was named, every token was banned, or the logits hold NaN/inf).  Their
+      other fields are meaningless; the engine should fail those requests.
+    """
+
+    token_ids: torch.Tensor
+    logprobs: torch.Tensor
+    raw_logprobs: torch.Tensor
+    log_kept_mass: torch.Tensor
+    topk_ids: torch.Tensor | None = None
+    topk_logprobs: torch.Tensor | None = None
+    failed: dict[int, str] = field(default_factory=dict)
+
+
+@dataclass
+class _SampledRows:
+    """Per-row results of the sampled (non-greedy) rows, in their local order."""
+
+    token: torch.Tensor
+    logprob: torch.Tensor  # float64
+    kept: torch.Tensor  # float64 raw mass in units of exp(raw - raw_max); NaN means "everything"
+    mass: torch.Tensor  # float64 sum of exp(raw - raw_max), NaN where not computed
+    topk_rows: torch.Tensor | None = None  # local rows that asked for top logprobs
+    topk_ids: torch.Tensor | None = None
+    topk_logprobs: torch.Tensor | None = None
+
+
+class Sampler:
+    """Samples one token per row of a ``[B, V]`` logits tensor; see the module docstring.
+
+    ``vocab_size`` is the model's logits width (padding columns count as tokens).  ``logits_processors``
+    are the batch-level custom processors requests can name.  ``seed`` seeds the private generator
+    of unseeded rows.  Not thread-safe: on CPU it reuses scratch buffers between calls.
+    """
+
+    def __init__(
+        self, vocab_size: int, logits_processors: Sequence[BatchLogitsProcessor] = (), seed: int = 0
+    ) -> None:
+        self.vocab_size = vocab_size
+        self._processors: dict[str, BatchLogitsProcessor] = {}
+        for proc in logits_processors:
+            if proc.name in self._processors:
+                raise ValueError(f"two logits processors are named {proc.name!r}")
+            self._processors[proc.name] = proc
+        self._generator = torch.Generator(device="cpu")
+        self._generator.manual_seed(seed)
+        self._buffers: dict[str, torch.Tensor] = {}
+
+    @property
+    def logits_processor_names(self) -> list[str]:
+        """Names requests may use in ``SamplingParams.logits_processor_args``."""
+        return list(self._processors)
+
+    # ------------------------------------------------------------------------------------ public
+    def __call__(self, logits: torch.Tensor, requests: Sequence[Request]) -> SamplerOutput:
+        """Samples row ``i`` of ``logits`` for ``requests[i]`` (at output position ``num_output_tokens``)."""
+        if logits.dim() != 2:
+            raise ValueError(f"logits must be [B, V], got shape {tuple(logits.shape)}")
+        if logits.shape[0] != len(requests):
+            raise ValueError(f"{logits.shape[0]} logits rows for {len(requests)} requests")
+        if logits.shape[1] < self.vocab_size:
+            raise ValueError(
+                f"logits have {logits.shape[1]} columns, fewer than vocab_size={self.vocab_size}"
+            )
+        if not logits.is_floating_point():
+            raise TypeError(f"logits must be floating point, got {logits.dtype}")
+        if logits.shape[0] == 0:
+            empty = torch.zeros(0)
+            return SamplerOutput(torch.zeros(0, dtype=torch.int64), empty, empty.clone(), empty.clone())
+        with torch.no_grad():
+            return self._run(logits.detach(), requests)
+
+    # ------------------------------------------------------------------------------------ internals
+    def _buffer(self, name: str, rows: int, cols: int, device: torch.device) -> torch.Tensor:
+        # On CPU a fresh [B, V] float32 tensor is an mmap plus page faults on every step (it is
+        # over glibc's mmap threshold), which costs as much as the math; reuse one buffer instead.
+        # Accelerators have caching allocators, so we do not pin memory there.
+        if device.type != "cpu":
+            return torch.empty((rows, cols), dtype=torch.float32, device=device)
+        need = rows * cols
+        buf = self._buffers.get(name)
+        if buf is None or buf.numel() < need:
+            buf = torch.empty(need, dtype=torch.float32)
+            self._buffers[name] = buf
+        return buf[:need].view(rows, cols)
+
+    def _scratch(self, rows: int, vocab: int, device: torch.device) -> torch.Tensor:
+        # Chunked on CPU so a chunk stays in cache across its passes; one chunk on accelerators.
+        return self._buffer(
+            "scratch", min(rows, CPU_CHUNK_ROWS) if device.type == "cpu" else rows, vocab, device
+        )
+
+    def _run(self, logits: torch.Tensor, requests: Sequence[Request]) -> SamplerOutput:
+        num_rows, vocab = logits.shape
+        dev = logits.device
+        params = BatchParams.from_requests(requests, vocab)
+        failed: dict[int, str] = {}
+
+        if logits.dtype == torch.float32 and logits.is_contiguous():
+            raw = logits  # read only from here on
+        else:
+            raw = self._buffer("raw", num_rows, vocab, dev).copy_(logits)
+        proc = raw
+        if params.any_modified:
+            proc = self._buffer("proc", num_rows, vocab, dev).copy_(raw)
+            self._apply_custom(proc, params, requests, failed)
+            apply_banned_tokens(proc, params.banned_rows, params.banned_cols)
+            apply_repetition_penalty(proc, requests, params.repetition_rows, params.repetition_penalty)
+            apply_frequency_presence(
+                proc, requests, params.freq_pres_rows, params.frequency_penalty, params.presence_penalty
+            )
+            apply_logit_bias(proc, params.bias_rows, params.bias_cols, params.bias_values)
+
+        # Block maxima give the row maxima and, for greedy rows, the argmax in one pass.
+        raw_bmax = block_reduce(raw, "max")
+        proc_bmax = raw_bmax if proc is raw else block_reduce(proc, "max")
+        raw_shift = finite_or(raw_bmax.amax(dim=1), 0.0)
+        proc_max = proc_bmax.amax(dim=1)
+        token = torch.zeros(num_rows, dtype=torch.int64, device=dev)
+        logprob = torch.zeros(num_rows, dtype=torch.float64, device=dev)
+        kept = torch.full((num_rows,), float("nan"), dtype=torch.float64, device=dev)
+        mass = torch.full((num_rows,), float("nan"), dtype=torch.float64, device=dev)
+        top_k = params.num_top_logprobs
+        topk_ids = topk_lp = None
+        if top_k > 0:
+            topk_ids = torch.full((num_rows, top_k), -1, dtype=torch.int64, device=dev)
+            topk_lp = torch.full((num_rows, top_k), float("nan"), dtype=torch.float32, device=dev)
+
+        sampled = None
+        if params.sampled_rows:
+            s_rows = self._rows(params.sampled_rows, num_rows, dev)
+            res = self._sample_rows(raw, proc, params, s_rows, raw_shift, proc_max, failed)
+            sampled = (s_rows, res)
+            self._scatter(token, s_rows, res.token)
+            self._scatter(logprob, s_rows, res.logprob)
+            self._scatter(kept, s_rows, res.kept)
+            self._scatter(mass, s_rows, res.mass)
+
+        # The raw normaliser of every row whose sampled e-values were not already exp(raw - max).
+        missing = torch.isnan(mass).nonzero().squeeze(1)
+        if missing.numel():
+            rows_m = None if missing.numel() == num_rows else missing
+            scratch = self._scratch(missing.numel(), vocab, dev)
+            mass[missing] = exp_sum(raw, rows_m, raw_shift.index_select(0, missing), scratch)
+        raw_lse = raw_shift.double() + torch.log(mass)
+
+        if params.greedy_rows:
+            self._greedy_rows(proc, proc_bmax, params, raw_lse, token, topk_ids, topk_lp)
+        if sampled is not None and sampled[1].topk_rows is not None:
+            s_rows, res = sampled
+            glob = res.topk_rows if s_rows is None else s_rows.index_select(0, res.topk_rows)
+            topk_ids[glob] = res.topk_ids
+            topk_lp[glob] = res.topk_logprobs.float()
+
+        raw_tok = raw.gather(1, token.unsqueeze(1)).squeeze(1).double()
+        raw_lp = raw_tok - raw_lse
+        log_kept = torch.where(torch.isnan(kept), torch.zeros_like(kept), torch.log(kept) - torch.log(mass))
+        if params.greedy_rows:
+            g = torch.tensor(params.greedy_rows, device=dev)
+            log_kept[g] = raw_lp.index_select(0, g)
+            for r in g[~torch.isfinite(proc_max.index_select(0, g))].tolist():
+                failed[r] = "no token can be chosen: every logit is -inf or the logits hold NaN/inf"
+
+        for r in (~torch.isfinite(raw_lse)).nonzero().squeeze(1).tolist():
+            failed.setdefault(r, "the model logits hold NaN or inf")
+        return SamplerOutput(
+            token_ids=token.cpu(),
+            logprobs=logprob.float().cpu(),
+            raw_logprobs=raw_lp.float().cpu(),
+            log_kept_mass=log_kept.float().cpu(),
+            topk_ids=None if topk_ids is None else topk_ids.cpu(),
+            topk_logprobs=None if topk_lp is None else topk_lp.cpu(),
+            failed=dict(sorted(failed.items())),
+        )
+
+    @staticmethod
+    def _rows(rows: list[int], num_rows: int, device: torch.device) -> torch.Tensor | None:
+        # None stands for "every row, in order", which lets the math skip gathers entirely.
+        return None if len(rows) == num_rows else torch.tensor(rows, dtype=torch.int64, device=device)
+
+    @staticmethod
+    def _scatter(dst: torch.Tensor, rows: torch.Tensor | None, values: torch.Tensor) -> None:
+        if rows is None:
+            dst.copy_(values)
+        else:
+            dst[rows] = values.to(dst.dtype)
+
+    def _apply_custom(
+        self, logits: torch.Tensor, params: BatchParams, requests: Sequence[Request], failed: dict[int, str]
+    ) -> None:
+        vocab = logits.shape[1]
+        # Registration order, not batch order, so the result does not depend on batch composition.
+        names = [n for n in self._processors if n in params.processor_rows]
+        names += [n for n in params.processor_rows if n not in self._processors]
+        for name in names:
+            rows = params.processor_rows[name]
+            processor = self._processors.get(name)
+            if processor is None:
+                for r in rows:
+                    failed[r] = f"unknown logits processor {name!r} (known: {sorted(self._processors)})"
+                continue
+            args = params.processor_args[name]
+            reqs = [requests[r] for r in rows]
+            idx = torch.tensor(rows, dtype=torch.int64, device=logits.device)
+            try:
+                out = processor(logits.index_select(0, idx), idx, list(args), reqs)
+                _check_processor_output(out, len(rows), vocab)
+                logits[idx] = out.to(torch.float32)
+            except Exception:
+                # Isolate the failure: rerun one row at a time and only fail the rows that raise.
+                for j, r in enumerate(rows):
+                    try:
+                        out = processor(logits[r : r + 1].clone(), idx[j : j + 1], [args[j]], [reqs[j]])
+                        _check_processor_output(out, 1, vocab)
+                        logits[r] = out[0].to(torch.float32)
+                    except Exception as exc:
+                        failed[r] = f"logits processor {name!r} failed: {type(exc).__name__}: {exc}"
+
+    def _uniforms(self, params: BatchParams, device: torch.device) -> torch.Tensor:
+        u = torch.zeros(params.num_rows, dtype=torch.float64)
+        if params.seeded_rows:
+            u[torch.tensor(params.seeded_rows)] = torch.tensor(params.seeded_u, dtype=torch.float64)
+        if params.unseeded_rows:
+            n = len(params.unseeded_rows)
+            u[torch.tensor(params.unseeded_rows)] = torch.rand(
+                n, generator=self._generator, dtype=torch.float64
+            )
+        return u.to(device)
+
+    def _sample_rows(
+        self,
+        raw: torch.Tensor,
+        proc: torch.Tensor,
+        params: BatchParams,
+        rows: torch.Tensor | None,
+        raw_shift: torch.Tensor,
+        proc_max: torch.Tensor,
+        failed: dict[int, str],
+    ) -> _SampledRows:
+        vocab = raw.shape[1]
+        dev = raw.device
+        rows_list = params.sampled_rows
+        n = len(rows_list)
+
+        def sel(t: torch.Tensor) -> torch.Tensor:
+            t = t.to(dev)
+            return t if rows is None else t.index_select(0, rows)
+
+        glob = torch.arange(n, device=dev) if rows is None else rows
+        temperature = sel(params.temperature)
+        proc_max = proc_max if rows is None else proc_max.index_select(0, rows)
+        shift = finite_or(proc_max, 0.0)
+        e = self._buffer("e", n, vocab, dev)
+        unmodified = torch.tensor([not params.modified[r] for r in rows_list], dtype=torch.bool, device=dev)
+        # Rows that are raw logits at a temperature other than 1 get their raw normaliser on the way.
+        want_plain = params.any_temperature and bool(unmodified.any())
+        bsum, bmax, plain_sum = exp_rows(
+            proc,
+            rows,
+            shift,
+            temperature if params.any_temperature else None,
+            e,
+            scratch=self._scratch(n, vocab, dev) if want_plain else None,
+        )
+        total = bsum.sum(1)
+        bad = ~torch.isfinite(proc_max) | ~torch.isfinite(total) | (total <= 0)
+        if bool(bad.any()):
+            b = bad.nonzero().squeeze(1)
+            for j in b.tolist():
+                failed[rows_list[j]] = (
+                    "no token can be sampled: every logit is -inf or the logits hold NaN/inf"
+                )
+            # Give those rows a harmless uniform distribution so the batch math stays finite.
+            e[b] = 1.0
+            bsum[b] = block_reduce(e[b], "sum")
+            bmax[b] = 1.0
+            total[b] = float(vocab)
+            shift = torch.where(bad, torch.zeros_like(shift), shift)
+        u = sel(self._uniforms(params, dev))
+        # Rows whose processed e-values are exactly exp(raw - raw_max): their sum is the raw normaliser.
+        identity = torch.tensor([params.identity[r] for r in rows_list], dtype=torch.bool, device=dev)
+        nan = torch.full_like(total, float("nan"))
+        mass = torch.where(identity & ~bad, total, nan)
+        if plain_sum is not None:
+            mass = torch.where(unmodified & ~identity & ~bad, plain_sum, mass)
+
+        token = torch.zeros(n, dtype=torch.int64, device=dev)
+        kept = torch.full((n,), float("nan"), dtype=torch.float64, device=dev)
+        tau = torch.zeros(n, dtype=torch.float32, device=dev)
+        plain = torch.ones(n, dtype=torch.bool, device=dev)
+        if params.any_truncation:
+            top_k, top_p, min_p = sel(params.top_k), sel(params.top_p), sel(params.min_p)
+            t_rows = ((top_k > 0) | (top_p < 1.0) | (min_p > 0)).nonzero().squeeze(1)
+            if t_rows.numel():
+                tr = truncation_thresholds(
+                    e,
+                    t_rows,
+                    total.index_select(0, t_rows),
+                    top_k.index_select(0, t_rows),
+                    top_p.index_select(0, t_rows),
+                    min_p.index_select(0, t_rows),
+                    bmax,
+                )
+                tau[t_rows] = tr.tau
+                cuts = tr.tau > 0
+                plain[t_rows] = ~cuts
+                # Survivors all in the sorted candidate list: sample from the list alone.
+                pos = (cuts & tr.complete).nonzero().squeeze(1)
+                if pos.numel():
+                    loc = t_rows.index_select(0, pos)
+                    vals = tr.values.index_select(0, pos)
+                    ids = tr.ids.index_select(0, pos)
+                    weights = vals.double() * (vals >= tr.tau.index_select(0, pos).unsqueeze(1))
+                    j = _inverse_cdf(weights, u.index_select(0, loc))
+                    token[loc] = ids.gather(1, j.unsqueeze(1)).squeeze(1)
+                    total[loc] = weights.sum(1)
+                    g = glob.index_select(0, loc)
+                    raw_vals = raw[g.unsqueeze(1), ids].double() - raw_shift.index_select(
+                        0, g
+                    ).double().unsqueeze(1)
+                    kept[loc] = (torch.exp(raw_vals) * (weights > 0)).sum(1)
+                # Survivors spill past the list (ties or a wide nucleus): mask whole rows.
+                pos = (cuts & ~tr.complete).nonzero().squeeze(1)
+                if pos.numel():
+                    loc = t_rows.index_select(0, pos)
+                    w = self._buffer("masked", loc.numel(), vocab, dev)
+                    torch.index_select(e, 0, loc, out=w)
+                    w.mul_(w >= tau.index_select(0, loc).unsqueeze(1))
+                    wsum = block_reduce(w, "sum")
+                    token[loc] = _inverse_cdf_blocked(w, None, wsum, u.index_select(0, loc))
+                    total[loc] = wsum.sum(1)
+                    ident = identity.index_select(0, loc)
+                    if bool(ident.all()):
+                        kept[loc] = total.index_select(0, loc)
+                    else:
+                        scratch = self._scratch(loc.numel(), vocab, dev)
+                        g = glob.index_select(0, loc)
+                        kept[loc] = exp_sum(
+                            raw,
+                            g,
+                            raw_shift.index_select(0, g),
+                            scratch,
+                            keep=w,
+                            keep_rows=None,
+                            keep_above=0.0,
+                        )
+        p_rows = plain.nonzero().squeeze(1)
+        if p_rows.numel():
+            loc = None if p_rows.numel() == n else p_rows
+            bs = bsum if loc is None else bsum.index_select(0, p_rows)
+            token[p_rows] = _inverse_cdf_blocked(e, loc, bs, u.index_select(0, p_rows))
+            masked = torch.tensor([params.masked[r] for r in rows_list], dtype=torch.bool, device=dev)
+            m_rows = (plain & masked & ~bad).nonzero().squeeze(1)
+            if m_rows.numel():
+                scratch = self._scratch(m_rows.numel(), vocab, dev)
+                g = glob.index_select(0, m_rows)
+                kept[m_rows] = exp_sum(
+                    raw, g, raw_shift.index_select(0, g), scratch, keep=proc, keep_rows=g, keep_above=NEG_INF
+                )
+
+        x_tok = proc[glob, token].double()
+        temp64 = temperature.double()
+        logprob = (x_tok - shift.double()) / temp64 - torch.log(total)
+        res = _SampledRows(token=token, logprob=logprob, kept=kept, mass=mass)
+
+        if params.num_top_logprobs > 0:
+            wanted = set(params.logprob_rows)
+            local = [j for j, r in enumerate(rows_list) if r in wanted]
+            if local:
+                lr = torch.tensor(local, dtype=torch.int64, device=dev)
+                vals, ids = topk_desc(e, params.num_top_logprobs, lr, bmax)
+                g = glob.index_select(0, lr)
+                x = proc[g.unsqueeze(1), ids].double()
+                lp = (x - shift.index_select(0, lr).double().unsqueeze(1)) / temp64.index_select(
+                    0, lr
+                ).unsqueeze(1)
+                lp = lp - torch.log(total.index_select(0, lr)).unsqueeze(1)
+                survives = vals >= tau.index_select(0, lr).unsqueeze(1)
+                res.topk_rows = lr
+                res.topk_ids = ids
+                res.topk_logprobs = torch.where(survives, lp, torch.full_like(lp, NEG_INF))
+        return res
+
+    def _greedy_rows(
+        self,
+        proc: torch.Tensor,
+        proc_bmax: torch.Tensor,
+        params: BatchParams,
+        raw_lse: torch.Tensor,
+        token: torch.Tensor,
+        topk_ids: torch.Tensor | None,
+        topk_lp: torch.Tensor | None,
+    ) -> None:
+        num_rows = proc.shape[0]
+        dev = proc.device
+        rows = self._rows(params.greedy_rows, num_rows, dev)
+        self._scatter(token, rows, row_argmax(proc, rows, proc_bmax))
+        if topk_ids is None or topk_lp is None:
+            return
+        wanted = set(params.logprob_rows)
+        local = [j for j, r in enumerate(params.greedy_rows) if r in wanted]
+        if not local:
+            return
+        lr = torch.tensor(local, dtype=torch.int64, device=dev)
+        g = lr if rows is None else rows.index_select(0, lr)
+        vals, ids = topk_desc(proc, topk_ids.shape[1], g, proc_bmax)
+        modified = torch.tensor([params.modified[params.greedy_rows[j]] for j in local], device=dev)
+        lse = raw_lse.index_select(0, g)
+        if bool(modified.any()):
+            mod = modified.nonzero().squeeze(1)
+            lse[mod] = logsumexp_rows(proc.index_select(0, g.index_select(0, mod)))
+        topk_ids[g] = ids
+        topk_lp[g] = (vals.double() - lse.unsqueeze(1)).float()
+
+
+def _check_processor_output(out: object, rows: int, vocab: int) -> None:
+    if not isinstance(out, torch.Tensor) or tuple(out.shape) != (rows, vocab):
+        shape = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
+        raise ValueError(f"processor returned {shape}, expected a tensor of shape {(rows, vocab)}")
+
+
+def _last_positive(weights: torch.Tensor) -> torch.Tensor:
+    """Index of the last strictly positive entry of each row (0 if none)."""
+    width = weights.shape[1]
+    return width - 1 - (weights > 0).flip(1).to(torch.int32).argmax(dim=1)
+
+
+def _inverse_cdf(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """First index where ``cumsum(weights) > u * sum(weights)``, per row, in float64.
+
+    A zero-weight entry can never be chosen: the cumulative sum does not rise there.  The
+    ``u -> 1`` rounding edge falls back to the last positive entry.
+    """
+    w = weights.double()
+    cum = w.cumsum(1)
+    target = (u * cum[:, -1]).unsqueeze(1)
+    j = torch.searchsorted(cum, target, right=True).squeeze(1)
+    last = _last_positive(w)
+    j = torch.where(j >= w.shape[1], last, j)
+    ok = w.gather(1, j.unsqueeze(1)).squeeze(1) > 0
+    return torch.where(ok, j, last)
+
+
+def _inverse_cdf_blocked(
+    w: torch.Tensor, rows: torch.Tensor | None, bsum: torch.Tensor, u: torch.Tensor
+) -> torch.Tensor:
+    """Inverse-CDF sampling over whole rows of ``w`` (or its ``rows``) using precomputed block sums.
+
+    First the block whose cumulative sum passes ``u * total`` (float64 over the block sums), then the
+    position inside that block (float64 cumsum of its ``BLOCK`` entries).  Returns column ids.
+    """
+    nb = bsum.shape[1]
+    cum = bsum.cumsum(1)
+    target = u * cum[:, -1]
+    b = torch.searchsorted(cum, target.unsqueeze(1), right=True).squeeze(1)
+    b = torch.where(b >= nb, _last_positive(bsum), b)
+    before = torch.where(
+        b > 0, cum.gather(1, (b - 1).clamp(min=0).unsqueeze(1)).squeeze(1), torch.zeros_like(target)
+    )
+    inner_u = (target - before).clamp(min=0.0)
+    vals, cols = gather_blocks(w, b.unsqueeze(1), 0.0, rows)
+    inner = vals.double()
+    icum = inner.cumsum(1)
+    j = torch.searchsorted(icum, inner_u.unsqueeze(1), right=True).squeeze(1)
+    last = _last_positive(inner)
+    j = torch.where(j >= BLOCK, last, j)
+    ok = inner.gather(1, j.clamp(max=inner.shape[1] - 1).unsqueeze(1)).squeeze(1) > 0
+    j = torch.where(ok, j, last)
+    return cols.gather(1, j.unsqueeze(1)).squeeze(1)
+
+
+def prompt_logprobs(
+    logits: torch.Tensor, target_ids: torch.Tensor, k: int
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """Raw (temperature 1) log-probabilities of ``target_ids`` under each row of ``logits``.
+
+    Returns ``(logprobs [N] float32, topk_ids [N, k] int64 or None, topk_logprobs [N, k] float32 or
+    None)`` on the CPU; the top-k parts are ``None`` when ``k == 0``.  Row ``i`` of ``logits`` is the
+    prediction for ``target_ids[i]`` (so for a prompt, logits of positions ``0..L-2`` and targets
+    ``prompt[1:]``).
+    """
+    if logits.dim() != 2 or target_ids.shape != (logits.shape[0],):
+        raise ValueError(
+            f"expected logits [N, V] and target_ids [N], got {tuple(logits.shape)} and {tuple(target_ids.shape)}"
+        )
+    with torch.no_grad():
+        x = logits.detach().float()
+        lse = logsumexp_rows(x)
+        target = target_ids.to(device=x.device, dtype=torch.int64)
+        lp = x.gather(1, target.unsqueeze(1)).squeeze(1).double() - lse
+        if k <= 0 or x.shape[0] == 0:
+            return lp.float().cpu(), None, None
+        vals, ids = topk_desc(x, k)
+        return lp.float().cpu(), ids.cpu(), (vals.double() - lse.unsqueeze(1)).float().cpu()
+
+
+__all__ = ["Sampler", "SamplerOutput", "prompt_logprobs", "seeded_uniform"]

@@ -1,0 +1,94 @@
+"""Request bodies of the OpenAI-compatible endpoints.
+
+Scalars are strict (``"16"`` is not an integer, ``true`` is not a number) so that a client bug is
+reported as a 400 instead of being silently coerced.  Unknown fields are ignored, as OpenAI's own API
+does for fields it added after a client was written.  Responses are built as plain dicts in
+:mod:`cbgen.server.app`, which keeps the hot streaming path free of model construction.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
+
+Number = StrictFloat | StrictInt
+
+# "developer" is OpenAI's newer name for "system"; tool and function messages need tool calling,
+# which this server does not implement, so they are rejected rather than silently mis-rendered.
+ChatRole = Literal["system", "developer", "user", "assistant"]
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+class StreamOptions(_Body):
+    """``stream_options``: ``include_usage`` adds a final chunk carrying ``usage``."""
+
+    include_usage: StrictBool = False
+
+
+class SamplingFields(_Body):
+    """Fields shared by completions and chat completions (OpenAI names plus vLLM's extras)."""
+
+    model: StrictStr
+    n: StrictInt = 1
+    temperature: Number | None = None
+    top_p: Number | None = None
+    max_tokens: StrictInt | None = None
+    stop: StrictStr | list[StrictStr] | None = None
+    seed: StrictInt | None = None
+    presence_penalty: Number | None = None
+    frequency_penalty: Number | None = None
+    logit_bias: dict[StrictStr, Number] | None = None
+    stream: StrictBool | None = False
+    stream_options: StreamOptions | None = None
+    user: StrictStr | None = None
+    # vLLM-compatible extras (sent by the openai client through ``extra_body``).
+    top_k: StrictInt | None = None
+    min_p: Number | None = None
+    repetition_penalty: Number | None = None
+    min_tokens: StrictInt | None = None
+    ignore_eos: StrictBool | None = None
+    include_stop_str_in_output: StrictBool | None = None
+    skip_special_tokens: StrictBool | None = None
+    stop_token_ids: list[StrictInt] | None = None
+
+
+class CompletionRequest(SamplingFields):
+    """``POST /v1/completions``."""
+
+    prompt: StrictStr | list[StrictInt] | list[StrictStr] | list[list[StrictInt]]
+    logprobs: StrictInt | None = None
+    echo: StrictBool | None = None
+    best_of: StrictInt | None = None
+    suffix: StrictStr | None = None
+
+
+class ContentPart(_Body):
+    """One part of a multi-part message; only ``{"type": "text", "text": ...}`` is supported."""
+
+    type: StrictStr
+    text: StrictStr | None = None
+
+
+class ChatMessage(_Body):
+    """One chat message."""
+
+    role: ChatRole
+    content: StrictStr | list[ContentPart] | None = None
+    name: StrictStr | None = None
+
+
+class ChatCompletionRequest(SamplingFields):
+    """``POST /v1/chat/completions``."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: StrictInt | None = None
+    logprobs: StrictBool | None = None
+    top_logprobs: StrictInt | None = None
+    add_generation_prompt: StrictBool = True
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    response_format: dict[str, Any] | None = None

