@@ -7,9 +7,16 @@ reuses the same folder instead of paying for the conversion again.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
+
+# Triton decides between compiling and interpreting when a kernel is first decorated, and other
+# tests (torch.compile) may import triton before the kernel tests do.  CI has no GPU, so every
+# Triton kernel in this process must run in the interpreter: decide it before anything imports triton.
+if os.environ.get("CBGEN_TEST_CUDA") != "1":
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture(scope="session")

@@ -299,9 +299,10 @@ class AsyncEngine:
         at all, so the holder may use the engine (e.g. update weights; the change is detected on the
         next step).  Submissions made meanwhile are queued and run after the pause ends.  Pauses nest.
 
-        The engine recomputes a request that is in flight across a weight change from its prompt, so
-        its stream starts over: later outputs carry the new ``weight_version`` and repeat from the
-        first generated token.  Consumers that concatenate deltas must restart when it changes.
+        A streamed request in flight across a weight change keeps the tokens it already sent; only its
+        K/V is recomputed under the new weights, and later outputs carry the new ``weight_version``.
+        Its early tokens therefore came from the old weights: RL users who need one policy per sample
+        should use the non-streamed APIs, which restart such requests from the prompt.
         """
         return _Pause(self)
 

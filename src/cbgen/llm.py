@@ -65,6 +65,7 @@ class LLM:
         )
         self.engine = Engine(self.model, self.tokenizer, self.config, logits_processors)
         self._finished: dict[str, RequestOutput] = {}
+        self._paused = False
 
     # ------------------------------------------------------------------ prompts
     def _encode(self, prompt: PromptType) -> tuple[list[int], str | None]:
@@ -163,6 +164,8 @@ class LLM:
         on_step: Callable[[int, StepStats], None] | None = None,
         use_tqdm: bool = False,
     ) -> dict[str, RequestOutput]:
+        if self._paused:
+            raise RuntimeError("the engine is paused: leave the LLM.pause() block before generating")
         engine = self.engine
         bar = None
         if use_tqdm:
@@ -202,6 +205,11 @@ class LLM:
         """How many weight changes the engine has observed."""
         return self.engine.weights.version
 
+    def notify_weights_updated(self) -> None:
+        """Declares a weight change that cannot be detected automatically (writes through
+        ``param.data``): the next step drops the prefix cache and applies the in-flight policy."""
+        self.engine.weights.force_change()
+
     def reset_prefix_cache(self) -> None:
         """Forgets all cached prefixes (not needed after weight updates: those are detected)."""
         self.engine.reset_prefix_cache()
@@ -216,6 +224,16 @@ class LLM:
 
     @contextlib.contextmanager
     def pause(self) -> Iterator[None]:
-        """Parks the engine between steps (KV cache and in-flight requests kept) so the caller can run a
-        training step; generation continues on exit.  Weight changes made inside are detected."""
-        yield
+        """Parks the engine between steps so the caller can run a training step.
+
+        In-flight requests and the KV cache are kept; generation continues with the next
+        ``drive_until_empty``/``generate`` call.  Stepping the engine inside the block raises.  On exit
+        the weights are checked at once, so a change made inside is handled by the documented policy
+        (prefix cache dropped, in-flight requests recomputed under the new weights).
+        """
+        self._paused = True
+        try:
+            yield
+        finally:
+            self._paused = False
+            self.engine._check_weights()

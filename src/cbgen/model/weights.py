@@ -2,20 +2,43 @@
 
 An optimizer step, ``load_state_dict`` and any other in-place update bump the parameters' version
 counters; replacing ``param.data`` changes its storage pointer; a PEFT adapter switch or a
-``disable_adapter()`` context changes adapter flags without touching any tensor.  The fingerprint
-covers all three and costs one pass over the parameter list per step.
+``disable_adapter()`` context changes adapter flags without touching any tensor.  Fused optimizer
+kernels (``AdamW(fused=True)``) update parameters without bumping their version counters, so every
+``Optimizer.step`` also bumps a process-wide step counter through an optimizer post-hook.  The
+fingerprint covers all of this and costs one pass over the parameter list per step.
+
+Not detectable cheaply: writes through ``param.data`` (a ``.data`` alias has its own version
+counter).  After such writes call ``LLM.notify_weights_updated()``.
 """
 
 from __future__ import annotations
 
 import torch
+from torch.optim.optimizer import register_optimizer_step_post_hook
+
+_optimizer_steps = 0
+_hook_handle = None
+
+
+def _count_optimizer_step(optimizer, args, kwargs) -> None:
+    global _optimizer_steps
+    _optimizer_steps += 1
+
+
+def _install_optimizer_hook() -> None:
+    """Registers the step counter once per process (it only increments an integer)."""
+    global _hook_handle
+    if _hook_handle is None:
+        _hook_handle = register_optimizer_step_post_hook(_count_optimizer_step)
 
 
 class WeightWatcher:
     """Computes a cheap fingerprint of the model's weights and adapter state."""
 
     def __init__(self, model: torch.nn.Module) -> None:
+        _install_optimizer_hook()
         self.model = model
+        self._forced = 0
         self._params = [p for _, p in model.named_parameters()] + [b for _, b in model.named_buffers()]
         self._adapter_modules = _adapter_layers(model)
         self._last = self.fingerprint()
@@ -29,7 +52,11 @@ class WeightWatcher:
             versions += p._version
             pointers ^= p.data_ptr()
         adapters = tuple((bool(m.disable_adapters), tuple(m.active_adapters)) for m in self._adapter_modules)
-        return versions, pointers, len(self._params), adapters
+        return versions, pointers, len(self._params), adapters, _optimizer_steps, self._forced
+
+    def force_change(self) -> None:
+        """Makes the next :meth:`changed` report a change (for updates no fingerprint can see)."""
+        self._forced += 1
 
     def refresh_modules(self) -> None:
         """Re-reads the parameter list (after adapters are added or removed)."""
@@ -43,7 +70,10 @@ class WeightWatcher:
         current = self.fingerprint()
         if current == self._last:
             return False
-        self._last = current
+        # Adapters may have been added since the last look: re-read the module set so their
+        # parameters are watched from now on.
+        self.refresh_modules()
+        self._last = self.fingerprint()
         self.version += 1
         return True
 
