@@ -177,3 +177,27 @@ def test_model_dependent_parameter_checks(model):
     with pytest.raises(ValueError, match="logit_bias"):
         llm.generate(prompt, SamplingParams(logit_bias={512: 1.0}), use_tqdm=False)
     assert llm.generate(prompt, SamplingParams(logprobs=5, max_tokens=2), use_tqdm=False)[0].finished
+
+
+def test_builtin_logits_processors_and_unknown_name(model):
+    llm = LLM(model, block_size=8)
+    prompts = make_prompts(3, lengths=(5, 20), seed=12)
+    allowed = [11, 22, 33]
+    outs = llm.generate(
+        prompts,
+        SamplingParams(
+            max_tokens=6, temperature=1.0, seed=0, logits_processor_args={"allowed_token_ids": allowed}
+        ),
+        use_tqdm=False,
+    )
+    assert all(t in allowed for o in outs for t in o.outputs[0].token_ids)
+    greedy = llm.generate(prompts[:1], SamplingParams(max_tokens=4, temperature=0), use_tqdm=False)[0]
+    first = greedy.outputs[0].token_ids[0]
+    banned = llm.generate(
+        prompts[:1],
+        SamplingParams(max_tokens=4, temperature=0, logits_processor_args={"bad_words": [[first]]}),
+        use_tqdm=False,
+    )[0]
+    assert first not in banned.outputs[0].token_ids
+    with pytest.raises(ValueError, match="unknown processor"):
+        llm.generate(prompts[:1], SamplingParams(logits_processor_args={"nope": 1}), use_tqdm=False)

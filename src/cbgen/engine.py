@@ -28,6 +28,7 @@ from cbgen.model.weights import WeightWatcher
 from cbgen.output_processor import OutputProcessor
 from cbgen.outputs import RequestOutput
 from cbgen.request import Request, RequestStatus
+from cbgen.sample.logits_processors import AllowedTokensProcessor, BadWordsProcessor
 from cbgen.sample.sampler import Sampler, prompt_logprobs
 from cbgen.sampling_params import SamplingParams
 
@@ -148,7 +149,9 @@ class Engine:
         )
         self.runner.warmup()
         self.input_builder = InputBuilder(config.block_size, self.device)
-        self.sampler = Sampler(self.vocab_size, logits_processors, seed=config.seed)
+        user_names = {p.name for p in logits_processors}
+        builtins = [p for p in (AllowedTokensProcessor(), BadWordsProcessor()) if p.name not in user_names]
+        self.sampler = Sampler(self.vocab_size, [*builtins, *logits_processors], seed=config.seed)
         self.output_processor = OutputProcessor(tokenizer)
         self.weights = WeightWatcher(model)
         self.groups: dict[str, RequestGroup] = {}
@@ -198,6 +201,12 @@ class Engine:
                 "raise num_blocks or kv_cache_memory"
             )
         params.verify_for_model(self.vocab_size, self.config.max_logprobs)
+        unknown = set(params.logits_processor_args or ()) - set(self.sampler.logits_processor_names)
+        if unknown:
+            raise ValueError(
+                f"SamplingParams.logits_processor_args: unknown processor(s) {sorted(unknown)}; "
+                f"this engine has {self.sampler.logits_processor_names}"
+            )
 
     def add_request(
         self,

@@ -41,6 +41,18 @@ WORKLOAD_FIELDS = (
 )
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    """Tiny workloads gain nothing from a second thread, and on a busy machine torch's spinning
+    OpenMP threads make every small op stall; one thread keeps the test fast and steady."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 def _report(out: Path) -> dict:
     files = sorted(out.glob("bench-*.json"))
     assert len(files) == 1, files
@@ -119,25 +131,24 @@ def test_greedy_tokens_match_hf_generate(tiny_report: tuple[dict, Path]) -> None
             assert wl["engines"][engine]["tokens_match"] == 1.0, (name, engine)
 
 
-def test_isolated_worker(tmp_path: Path) -> None:
-    assert (
-        main(
-            [
-                "--tiny",
-                "--repeats",
-                "1",
-                "--workloads",
-                "overhead",
-                "--engines",
-                "cbgen",
-                "--out",
-                str(tmp_path),
-            ]
-        )
-        == 0
-    )
+def test_isolated_workers_round_robin(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    argv = [
+        "--tiny",
+        "--repeats",
+        "2",
+        "--workloads",
+        "overhead",
+        "--engines",
+        "cbgen",
+        "--out",
+        str(tmp_path),
+    ]
+    assert main(argv) == 0
     row = _report(tmp_path)["workloads"]["overhead"]["engines"]["cbgen"]
+    # One worker process per repeat, merged into one row.
     assert row["isolated"] and row["error"] is None and row["peak_memory_bytes"] > 0
+    assert row["repeats"] == 2 and len(row["runs"]) == 2
 
 
 FAKE_VLLM = textwrap.dedent(

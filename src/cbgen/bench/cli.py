@@ -12,6 +12,7 @@ Examples::
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import platform
 import sys
@@ -25,7 +26,9 @@ from cbgen.bench.engines import (
     MAX_NUM_SEQS,
     BenchOptions,
     EngineResult,
+    best_ceiling,
     matmul_ceiling,
+    merge_results,
     run_engine,
     run_isolated,
     vllm_unsupported_reason,
@@ -166,6 +169,17 @@ def _plan(args: argparse.Namespace) -> list[tuple[str, list[str]]]:
     return plan
 
 
+# Settings that change how torch's thread pool behaves; recorded because they move results a lot.
+THREAD_ENV = ("OMP_NUM_THREADS", "OMP_WAIT_POLICY", "MKL_NUM_THREADS", "KMP_BLOCKTIME", "LD_PRELOAD")
+
+
+def _loadavg() -> float | None:
+    try:
+        return round(os.getloadavg()[0], 2)
+    except OSError:
+        return None
+
+
 def _meta(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
     import torch
     import transformers
@@ -195,11 +209,16 @@ def _meta(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
         "transformers": transformers.__version__,
         "max_num_batched_tokens": MAX_NUM_BATCHED_TOKENS,
         "max_num_seqs": MAX_NUM_SEQS,
+        "env": {k: os.environ[k] for k in THREAD_ENV if k in os.environ},
+        "loadavg_start": _loadavg(),
     }
 
 
+_START = time.monotonic()
+
+
 def _log(msg: str) -> None:
-    print(f"[cbgen bench] {msg}", file=sys.stderr, flush=True)
+    print(f"[cbgen bench {time.monotonic() - _START:7.1f}s] {msg}", file=sys.stderr, flush=True)
 
 
 def _describe(result: EngineResult) -> str:
@@ -209,6 +228,34 @@ def _describe(result: EngineResult) -> str:
     mid = walls[len(walls) // 2]
     tokens = result.runs[0].output_tokens if result.runs else 0
     return f"median {mid:.2f} s over {len(walls)} run(s), {tokens / mid:,.0f} output tok/s"
+
+
+def _run_rounds(
+    name: str, wl: Workload, engines: list[str], model: Any, key: str, opts: BenchOptions, isolate: bool
+) -> dict[str, EngineResult]:
+    """Runs the engines round-robin, one repeat each per round, so that a change in machine load
+    (other jobs on a shared box) hits every engine alike instead of whichever ran at the time.
+    vLLM is the exception: its start-up takes a minute or more, so it runs all its repeats at once."""
+    one = dataclasses.replace(opts, repeats=1)
+    parts: dict[str, list[EngineResult]] = {e: [] for e in engines}
+    for rnd in range(opts.repeats):
+        for engine in engines:
+            if parts[engine] and parts[engine][-1].error:
+                continue  # a failing engine fails once, not once per round
+            if engine == "vllm":
+                if rnd > 0:
+                    continue
+                result = run_engine(engine, wl, model, opts, key)
+            elif isolate:
+                result = run_isolated(engine, name, key, one)
+            else:
+                result = run_engine(engine, wl, model, one, key)
+            parts[engine].append(result)
+            _log(f"{name}/{engine} (round {rnd + 1}/{opts.repeats}): {_describe(result)}")
+    merged = {e: merge_results(p) for e, p in parts.items() if p}
+    for engine, result in merged.items():
+        _log(f"{name}/{engine}: {_describe(result)}")
+    return merged
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -254,33 +301,32 @@ def main(argv: list[str] | None = None) -> int:
             name, tiny=args.tiny, model=key, vocab_size=vocab_size_of(model), tokenizer=tokenizer
         )
         workloads[name] = wl
-        results[name] = {}
         _log(
             f"{name}: {wl.description} on {key} ({wl.prompt_tokens:,} prompt + {wl.output_tokens:,} output tokens)"
         )
+        runnable = []
         for engine in engines:
-            if engine == "vllm":
-                reason = vllm_unsupported_reason(model)
-                if reason:
-                    skipped.append({"workload": name, "engine": engine, "reason": reason})
-                    _log(f"{name}/{engine}: skipped ({reason})")
-                    continue
-            _log(f"{name}/{engine}: running")
-            if args.no_isolate or engine == "vllm":
-                result = run_engine(engine, wl, model, opts, key)
+            reason = vllm_unsupported_reason(model) if engine == "vllm" else None
+            if reason:
+                skipped.append({"workload": name, "engine": engine, "reason": reason})
+                _log(f"{name}/{engine}: skipped ({reason})")
             else:
-                result = run_isolated(engine, name, key, opts)
-            results[name][engine] = result
-            _log(f"{name}/{engine}: {_describe(result)}")
+                runnable.append(engine)
         dims = model_dims(model)
         flops[name] = workload_flops(wl, dims)
+        rows = {
+            "decode_rows": min(wl.num_sequences, MAX_NUM_SEQS),
+            "prefill_rows": min(wl.prompt_tokens, MAX_NUM_BATCHED_TOKENS),
+        }
+        budget = 0.03 if args.tiny else 0.3
+        # Timed before and after the engines; the better of the two is the ceiling, so a burst of
+        # load from other jobs during one measurement does not lower it.
         _log(f"{name}: timing the matmul ceiling")
-        ceilings[name] = matmul_ceiling(
-            dims,
-            decode_rows=min(wl.num_sequences, MAX_NUM_SEQS),
-            prefill_rows=min(wl.prompt_tokens, MAX_NUM_BATCHED_TOKENS),
-            device=args.device,
-            budget_s=0.03 if args.tiny else 0.3,
+        before = matmul_ceiling(dims, **rows, device=args.device, budget_s=budget)
+        results[name] = _run_rounds(name, wl, runnable, model, key, opts, isolate=not args.no_isolate)
+        _log(f"{name}: timing the matmul ceiling again")
+        ceilings[name] = best_ceiling(
+            before, matmul_ceiling(dims, **rows, device=args.device, budget_s=budget)
         )
         cb = results[name].get("cbgen")
         if args.profile and cb is not None and cb.steps:
@@ -308,6 +354,7 @@ def main(argv: list[str] | None = None) -> int:
         workloads, results, flops, ceilings, meta, null_model=null_rows, profile=profile or None
     )
     report["skipped"] = skipped
+    meta["loadavg_end"] = _loadavg()
     base = args.out / f"bench-{stamp}"
     write_json(report, base.with_suffix(".json"))
     if step_records:

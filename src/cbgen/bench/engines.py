@@ -509,7 +509,7 @@ def time_matmuls(
     shapes: list[tuple[int, int]], rows: int, dtype: str, device: Any = None, budget_s: float = 0.2
 ) -> float:
     """GFLOP/s of ``F.linear`` over ``shapes`` ((in, out) weights) with ``rows`` input rows: the
-    median of three timed batches, each sized to take about ``budget_s / 3``."""
+    median of three timed batches, each sized to take at least ``budget_s / 12``."""
     import statistics
 
     import torch
@@ -533,9 +533,12 @@ def time_matmuls(
         _sync(dev)
         return time.perf_counter() - t0
 
+    # Calibrate by doubling rather than from one probe: a single fast probe on a busy machine
+    # would otherwise ask for far more repetitions than the budget allows.
     once(1)
-    probe = max(once(1), 1e-6)
-    reps = max(1, int(budget_s / 3 / probe))
+    reps = 1
+    while once(reps) < budget_s / 12 and reps < 1 << 16:
+        reps *= 2
     seconds = statistics.median(once(reps) / reps for _ in range(3))
     return flops / seconds / 1e9
 
@@ -553,6 +556,35 @@ def matmul_ceiling(
             "decode_gflops": time_matmuls(decode_shapes, decode_rows, dtype, device, budget_s),
             "prefill_gflops": time_matmuls(dims.layer_linears, prefill_rows, dtype, device, budget_s),
         }
+    return out
+
+
+def merge_results(parts: list[EngineResult]) -> EngineResult:
+    """Combines one engine's results from several calls (one per round) into one result."""
+    first = parts[0]
+    ok = [p for p in parts if p.error is None]
+    merged = EngineResult(
+        first.engine,
+        first.workload,
+        runs=[run for p in parts for run in p.runs],
+        tokens=ok[-1].tokens if ok else None,
+        memory_kind=first.memory_kind,
+        isolated=all(p.isolated for p in parts),
+        settings=first.settings,
+        notes=list(dict.fromkeys(n for p in parts for n in p.notes)),
+        steps=next((p.steps for p in reversed(parts) if p.steps), None),
+        error=next((p.error for p in parts if p.error), None),
+    )
+    peaks = [p.peak_memory_bytes for p in parts if p.peak_memory_bytes]
+    merged.peak_memory_bytes = max(peaks) if peaks else None
+    return merged
+
+
+def best_ceiling(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
+    """Per dtype and shape, the higher of two :func:`matmul_ceiling` measurements."""
+    out = dict(a)
+    for dtype in ("float32", "bfloat16"):
+        out[dtype] = {k: max(a[dtype][k], b[dtype][k]) for k in a[dtype]}
     return out
 
 

@@ -319,6 +319,21 @@ def markdown(report: dict[str, Any]) -> str:
         f"{meta.get('transformers')}{' · TINY workloads' if meta.get('tiny') else ''}",
         "",
     ]
+    env = " ".join(f"{k}={v}" for k, v in (meta.get("env") or {}).items())
+    load = [meta.get("loadavg_start"), meta.get("loadavg_end")]
+    if env or any(x is not None for x in load):
+        lines += [
+            f"load average {_fmt(load[0], '.1f')} at start, {_fmt(load[1], '.1f')} at end on "
+            f"{meta.get('cpu_count')} CPUs{' · ' + env if env else ''}",
+            "",
+        ]
+        busy = [x for x in load if x is not None and meta.get("cpu_count") and x > 0.5 * meta["cpu_count"]]
+        if busy:
+            lines += [
+                "> **Note**: the machine was busy with other work; timings are noisy and engines that "
+                "run torch on the main thread suffer most (see benchmarks/README.md).",
+                "",
+            ]
     problems = report["problems"]
     if problems:
         fails = [p for p in problems if p["level"] == "FAIL"]

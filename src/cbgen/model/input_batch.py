@@ -102,7 +102,11 @@ class InputBuilder:
             prefill_seqs.append(PrefillSeq(q_start, n, c, table))
             q_start += n
 
-        input_ids = np.fromiter((t for chunk in token_chunks for t in chunk), dtype=np.int64)
+        input_ids = (
+            np.concatenate([np.asarray(chunk, dtype=np.int64) for chunk in token_chunks])
+            if token_chunks
+            else np.zeros(0, np.int64)
+        )
         positions = np.concatenate(pos_chunks) if pos_chunks else np.zeros(0, np.int64)
         slots = np.concatenate(slot_chunks) if slot_chunks else np.zeros(0, np.int64)
 
