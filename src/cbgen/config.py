@@ -23,6 +23,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     max_model_len: int | None = None
     max_logprobs: int = 20
+    # Where and how LLM loads a model from a path; a model object is used as it is.
     device: str | None = None
     dtype: str = "auto"
     # CUDA fast path
@@ -30,7 +31,6 @@ class EngineConfig:
     # padded fixed-shape path that CUDA captures (used by tests); True never pads.
     enforce_eager: bool | None = None
     compile: bool = False
-    async_scheduling: bool | None = None  # None: on for CUDA, off for CPU
     attention_backend: str = "auto"  # "auto" | "torch" | "triton" | "flash_attn"
     cuda_graph_max_batch: int | None = None  # default: max_num_seqs
     seed: int = 0
