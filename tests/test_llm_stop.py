@@ -51,3 +51,19 @@ def test_eos_ends_generation_and_is_not_in_text(llm):
         QUESTION, SamplingParams(max_tokens=200, temperature=0, skip_special_tokens=False), use_tqdm=False
     )[0].outputs[0]
     assert raw.text.endswith("<|im_end|>")
+
+
+def test_smollm2_raw_logprobs_match_plain_forward(llm):
+    """raw_logprob is the temperature-1 log-softmax of the unmodified model: a plain fp32 forward over
+    prompt + completion reproduces it for every sampled token."""
+    prompt = llm.tokenizer.apply_chat_template(
+        QUESTION, tokenize=True, add_generation_prompt=True, return_dict=False
+    )
+    params = SamplingParams(n=2, max_tokens=24, temperature=0.8, top_p=0.9, seed=5, ignore_eos=True)
+    out = llm.generate([list(prompt)], params, use_tqdm=False)[0]
+    for c in out.outputs:
+        ids = torch.tensor([list(prompt) + c.token_ids])
+        with torch.no_grad():
+            logp = torch.log_softmax(llm.model(ids).logits[0].double(), -1)
+        ref = [float(logp[len(prompt) - 1 + i, t]) for i, t in enumerate(c.token_ids)]
+        assert max(abs(a - b) for a, b in zip(c.raw_logprobs, ref)) < 1e-4
