@@ -31,7 +31,7 @@ class EngineConfig:
     # padded fixed-shape path that CUDA captures (used by tests); True never pads.
     enforce_eager: bool | None = None
     compile: bool = False
-    attention_backend: str = "auto"  # "auto" | "torch" | "triton" | "flash_attn"
+    attention_backend: str = "auto"  # "auto" | "torch" | "cpu" | "triton" | "flash_attn"
     cuda_graph_max_batch: int | None = None  # default: max_num_seqs
     seed: int = 0
 
@@ -66,6 +66,6 @@ class EngineConfig:
         )
         need(self.max_logprobs >= 0, f"max_logprobs must be >= 0, got {self.max_logprobs!r}")
         need(
-            self.attention_backend in ("auto", "torch", "triton", "flash_attn"),
-            f"attention_backend must be auto|torch|triton|flash_attn, got {self.attention_backend!r}",
+            self.attention_backend in ("auto", "torch", "cpu", "triton", "flash_attn"),
+            f"attention_backend must be auto|torch|cpu|triton|flash_attn, got {self.attention_backend!r}",
         )

@@ -140,7 +140,7 @@ class Engine:
             model,
             self.kv_cache,
             self.device,
-            backend=choose_backend(config.attention_backend, self.device),
+            backend=choose_backend(config.attention_backend, self.device, self.dtype),
             max_num_seqs=config.max_num_seqs,
             max_model_len=self.max_model_len,
             enforce_eager=config.enforce_eager,

@@ -41,7 +41,7 @@ def test_width_bucket_and_key_hold_everything_baked_in():
 
 def test_key_uses_length_bucket_for_torch_backend():
     model = make_model("llama")
-    llm = LLM(model, block_size=8, enforce_eager=False, max_num_seqs=8)
+    llm = LLM(model, block_size=8, enforce_eager=False, max_num_seqs=8, attention_backend="torch")
     static = llm.engine.runner.static
     assert static is not None and not static.use_cuda_graphs
     assert static.key_for(3, 2).width == 4 and static.key_for(3, 9).width == 16

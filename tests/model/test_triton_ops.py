@@ -15,52 +15,9 @@ import pytest
 pytest.importorskip("triton")
 
 import torch
+from paged_cases import LENS, NUM_BLOCKS, assert_close, make_case
 
 from cbgen.model import paged_ops, triton_ops
-
-NUM_BLOCKS = 48
-# A block-table value that would fault (or read far out of bounds) if a kernel ever dereferenced it.
-GARBAGE_BLOCK = 1 << 30
-
-
-def _rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
-    actual, expected = actual.float(), expected.float()
-    return ((actual - expected).norm() / expected.norm().clamp_min(1e-12)).item()
-
-
-def _assert_close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype) -> None:
-    if dtype == torch.float32:
-        torch.testing.assert_close(actual, expected, atol=1e-4, rtol=1e-4)
-    else:
-        assert _rel_err(actual, expected) < 1e-2
-
-
-def _make_case(
-    seed: int,
-    lens: list[int],
-    num_heads: int,
-    num_kv_heads: int,
-    head_dim: int,
-    block_size: int,
-    dtype: torch.dtype,
-    extra_blocks: int = 2,
-) -> tuple[torch.Tensor, ...]:
-    """Random query/caches plus a block table whose unused tail is poisoned with ``GARBAGE_BLOCK``.
-
-    Returns ``(query, k_cache, v_cache, block_table, clean_table, seq_lens)``; ``clean_table`` has
-    the poisoned entries replaced by 0 so the gather-based reference can consume it.
-    """
-    gen = torch.Generator().manual_seed(seed)
-    k_cache = torch.randn(NUM_BLOCKS, block_size, num_kv_heads, head_dim, generator=gen).to(dtype)
-    v_cache = torch.randn(NUM_BLOCKS, block_size, num_kv_heads, head_dim, generator=gen).to(dtype)
-    query = torch.randn(len(lens), num_heads, head_dim, generator=gen).to(dtype)
-    max_blocks = max(-(-n // block_size) for n in lens) + extra_blocks
-    table = torch.full((len(lens), max_blocks), GARBAGE_BLOCK, dtype=torch.int32)
-    for row, n in enumerate(lens):
-        used = -(-n // block_size)
-        table[row, :used] = torch.randperm(NUM_BLOCKS, generator=gen)[:used].to(torch.int32)
-    clean = table.masked_fill(table == GARBAGE_BLOCK, 0)
-    return query, k_cache, v_cache, table, clean, torch.tensor(lens, dtype=torch.int32)
 
 
 def _check_decode(
@@ -75,7 +32,7 @@ def _check_decode(
     softcap: float | None = None,
     num_splits: int | None = None,
 ) -> None:
-    query, k_cache, v_cache, table, clean, seq_lens = _make_case(
+    query, k_cache, v_cache, table, clean, seq_lens = make_case(
         seed, lens, num_heads, num_kv_heads, head_dim, block_size, dtype
     )
     scale = head_dim**-0.5
@@ -87,7 +44,7 @@ def _check_decode(
     )
     assert out.shape == query.shape and out.dtype == dtype
     live = seq_lens > 0
-    _assert_close(out[live], expected[live], dtype)
+    assert_close(out[live], expected[live], dtype)
     # Padding rows must come out as exact zeros (the reference may give NaN there).
     assert torch.equal(out[~live], torch.zeros_like(out[~live]))
 
@@ -157,9 +114,6 @@ def test_store_kv_all_padding_writes_nothing() -> None:
 # decode attention
 # ------------------------------------------------------------------------------------------------
 
-# 70 crosses the 64-token tile used for head_dim <= 64, so the online-softmax rescale is exercised.
-LENS = [1, 7, 16, 0, 17, 40, 70]
-
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("block_size", [8, 16])
@@ -204,7 +158,7 @@ def test_decode_block_size_32() -> None:
 
 def test_decode_strided_query_and_max_seq_len() -> None:
     lens = [5, 16, 23]
-    _, k_cache, v_cache, table, clean, seq_lens = _make_case(2, lens, 4, 2, 32, 8, torch.float32)
+    _, k_cache, v_cache, table, clean, seq_lens = make_case(2, lens, 4, 2, 32, 8, torch.float32)
     # A query sliced out of a fused qkv projection: non-contiguous batch and head strides.
     fused = torch.randn(len(lens), 8, 32, generator=torch.Generator().manual_seed(1))
     query = fused[:, ::2]
@@ -218,7 +172,7 @@ def test_decode_strided_query_and_max_seq_len() -> None:
 
 
 def test_decode_all_padding_and_empty_batch() -> None:
-    query, k_cache, v_cache, table, _, _ = _make_case(4, [8, 8], 2, 1, 16, 8, torch.float32)
+    query, k_cache, v_cache, table, _, _ = make_case(4, [8, 8], 2, 1, 16, 8, torch.float32)
     seq_lens = torch.zeros(2, dtype=torch.int32)
     for splits in (1, 2):
         out = triton_ops.triton_paged_decode_attention(
@@ -233,6 +187,6 @@ def test_decode_all_padding_and_empty_batch() -> None:
 
 
 def test_decode_rejects_bad_gqa() -> None:
-    query, k_cache, v_cache, table, _, seq_lens = _make_case(0, [4], 3, 2, 16, 8, torch.float32)
+    query, k_cache, v_cache, table, _, seq_lens = make_case(0, [4], 3, 2, 16, 8, torch.float32)
     with pytest.raises(ValueError, match="multiple"):
         triton_ops.triton_paged_decode_attention(query, k_cache, v_cache, table, seq_lens, 0.25)

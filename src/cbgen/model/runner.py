@@ -31,8 +31,12 @@ def _attention_configs(model: torch.nn.Module) -> list:
     return list(configs.values())
 
 
-def choose_backend(requested: str, device: torch.device) -> str:
-    """``torch`` everywhere; ``triton`` on CUDA when Triton is installed (``auto`` picks it there)."""
+def choose_backend(requested: str, device: torch.device, dtype: torch.dtype = torch.float32) -> str:
+    """Resolves ``attention_backend``.
+
+    ``auto`` picks ``triton`` on CUDA when Triton is installed, ``cpu`` (the C kernels of
+    :mod:`cbgen.model.cpu_kernels`) on CPU when they build here and handle ``dtype``, else ``torch``.
+    """
     if requested in ("auto", "triton"):
         from cbgen.model import triton_ops
 
@@ -44,12 +48,27 @@ def choose_backend(requested: str, device: torch.device) -> str:
             raise ValueError(
                 "attention_backend='triton' needs triton and a CUDA device (or TRITON_INTERPRET=1)"
             )
-        return "torch"
+    if requested in ("auto", "cpu") and device.type == "cpu":
+        from cbgen.model import cpu_kernels
+
+        if cpu_kernels.supports(dtype) and cpu_kernels.available():
+            return "cpu"
+    if requested == "cpu":
+        raise ValueError(
+            f"attention_backend='cpu' needs a CPU device, a float32/bfloat16 model and a C compiler "
+            f"(device {device}, dtype {dtype}; {_cpu_reason()})"
+        )
     if requested == "flash_attn":
         raise ValueError(
             "attention_backend='flash_attn' is not supported yet; use 'auto', 'torch' or 'triton'"
         )
     return "torch"
+
+
+def _cpu_reason() -> str:
+    from cbgen.model import cpu_kernels
+
+    return cpu_kernels.unavailable_reason() or "kernels not built"
 
 
 class ModelRunner:
@@ -84,6 +103,11 @@ class ModelRunner:
 
             self.decode_fn = triton_ops.triton_paged_decode_attention
             self.store_fn = triton_ops.triton_store_kv
+        elif backend == "cpu":
+            from cbgen.model import cpu_kernels
+
+            self.decode_fn = cpu_kernels.paged_decode_attention
+            self.store_fn = cpu_kernels.store_kv
         use_graphs = device.type == "cuda" and not enforce_eager
         use_static = use_graphs or compile or enforce_eager is False
         self.compiled = compile

@@ -1,0 +1,224 @@
+"""Paged-KV kernels for CPU, written in C, compiled on first use and called through ctypes.
+
+``csrc/cpu_paged.c`` is compiled with the system C compiler (``$CC``, else ``cc``) into
+``~/.cache/cbgen/kernels`` (``$CBGEN_KERNEL_DIR`` overrides), keyed by a hash of the source, the
+flags and this CPU's feature flags, because ``-march=native`` code must not run on another CPU.
+No compiler, or a failed build, leaves :func:`available` false and the torch reference in use.
+
+Both kernels are registered as torch custom ops, so ``torch.compile`` treats them as opaque calls.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+import torch
+
+from cbgen.model import paged_ops
+
+log = logging.getLogger("cbgen")
+
+_SOURCE = Path(__file__).parent / "csrc" / "cpu_paged.c"
+_FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=c11"]
+_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+
+_lock = threading.Lock()
+_lib: ctypes.CDLL | None = None
+_error: str | None = None
+
+
+def _cpu_signature() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line for line in f if line.startswith("flags")), "")
+    except OSError:
+        flags = ""
+    return platform.machine() + flags
+
+
+def _cache_dir() -> Path:
+    root = os.environ.get("CBGEN_KERNEL_DIR")
+    return Path(root) if root else Path.home() / ".cache" / "cbgen" / "kernels"
+
+
+def _build() -> ctypes.CDLL:
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if not compiler:
+        raise RuntimeError("no C compiler found (set CC)")
+    source = _SOURCE.read_bytes()
+    key = hashlib.sha256(source + " ".join([compiler, *_FLAGS]).encode() + _cpu_signature().encode())
+    target = _cache_dir() / f"cpu_paged-{key.hexdigest()[:16]}.so"
+    if not target.exists():
+        target.parent.mkdir(parents=True, exist_ok=True)
+        # Build under a temporary name and rename: concurrent processes never see half a library.
+        with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+            out = Path(tmp) / target.name
+            proc = subprocess.run(
+                [compiler, *_FLAGS, str(_SOURCE), "-o", str(out), "-lm"],
+                capture_output=True,
+                text=True,
+                timeout=120,
+            )
+            if proc.returncode != 0:
+                raise RuntimeError(f"{compiler} failed: {proc.stderr.strip()[-2000:]}")
+            os.replace(out, target)
+        log.info("cbgen: built CPU paged-attention kernels into %s", target)
+    lib = ctypes.CDLL(str(target))
+    i64, i32, f32, ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_float, ctypes.c_void_p
+    lib.cbgen_paged_decode.argtypes = [
+        ptr,
+        ptr,
+        ptr,
+        ptr,
+        i64,
+        ptr,
+        ptr,
+        i64,
+        i32,
+        i32,
+        i32,
+        i32,
+        f32,
+        i64,
+        f32,
+        i32,
+    ]
+    lib.cbgen_paged_decode.restype = i32
+    lib.cbgen_store_kv.argtypes = [ptr, ptr, ptr, ptr, ptr, i64, i64, i32]
+    lib.cbgen_store_kv.restype = i32
+    return lib
+
+
+def available() -> bool:
+    """True when the kernels are built (building them on the first call) and loadable here."""
+    global _lib, _error
+    with _lock:
+        if _lib is None and _error is None:
+            try:
+                _lib = _build()
+            except Exception as exc:  # any failure means "use the torch path", reported once
+                _error = str(exc)
+                log.warning("cbgen: CPU paged-attention kernels unavailable (%s); using the torch path", exc)
+        return _lib is not None
+
+
+def unavailable_reason() -> str | None:
+    """Why :func:`available` is false (None when it is true or was never asked)."""
+    return _error
+
+
+def supports(dtype: torch.dtype) -> bool:
+    """Whether the kernels handle a cache of ``dtype`` (float16 falls back to torch)."""
+    return dtype in _DTYPES
+
+
+@torch.library.custom_op("cbgen::cpu_paged_decode", mutates_args=())
+def _decode_op(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    window: int,
+    softcap: float,
+) -> torch.Tensor:
+    out = torch.empty_like(query)
+    num_rows, heads, dim = query.shape
+    rc = _lib.cbgen_paged_decode(
+        query.data_ptr(),
+        k_cache.data_ptr(),
+        v_cache.data_ptr(),
+        block_table.data_ptr(),
+        block_table.stride(0),
+        seq_lens.data_ptr(),
+        out.data_ptr(),
+        num_rows,
+        heads,
+        k_cache.shape[2],
+        dim,
+        k_cache.shape[1],
+        scale,
+        window,
+        softcap,
+        _DTYPES[query.dtype],
+    )
+    if rc:
+        raise RuntimeError(f"cbgen_paged_decode failed with code {rc}")
+    return out
+
+
+@_decode_op.register_fake
+def _(query, k_cache, v_cache, block_table, seq_lens, scale, window, softcap):
+    return torch.empty_like(query)
+
+
+@torch.library.custom_op("cbgen::cpu_store_kv", mutates_args=("k_cache", "v_cache"))
+def _store_op(
+    key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor
+) -> None:
+    row = k_cache.shape[-2] * k_cache.shape[-1]
+    _lib.cbgen_store_kv(
+        key.data_ptr(),
+        value.data_ptr(),
+        k_cache.data_ptr(),
+        v_cache.data_ptr(),
+        slots.data_ptr(),
+        slots.numel(),
+        row,
+        k_cache.element_size(),
+    )
+
+
+def paged_decode_attention(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    max_seq_len: int | None = None,
+) -> torch.Tensor:
+    """Same contract as :func:`cbgen.model.paged_ops.paged_decode_attention`, reading KV in place."""
+    if query.dtype != k_cache.dtype or not supports(k_cache.dtype):
+        return paged_ops.paged_decode_attention(
+            query, k_cache, v_cache, block_table, seq_lens, scale, sliding_window, softcap, max_seq_len
+        )
+    return _decode_op(
+        query.contiguous(),
+        k_cache,
+        v_cache,
+        block_table.to(torch.int32).contiguous(),
+        seq_lens.to(torch.int32).contiguous(),
+        float(scale),
+        int(sliding_window or 0),
+        float(softcap or 0.0),
+    )
+
+
+def store_kv(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Same contract as :func:`cbgen.model.paged_ops.store_kv` (a slot of -1 writes nowhere)."""
+    _store_op(
+        key.to(k_cache.dtype).contiguous(),
+        value.to(v_cache.dtype).contiguous(),
+        k_cache,
+        v_cache,
+        slot_mapping.to(torch.int64).contiguous(),
+    )

@@ -1,0 +1,122 @@
+"""C kernels (``cbgen.model.cpu_kernels``) vs the torch reference, and their selection by the engine."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from paged_cases import LENS, NUM_BLOCKS, assert_close, make_case
+
+from cbgen import LLM, SamplingParams
+from cbgen.model import cpu_kernels, paged_ops
+from cbgen.model.runner import choose_backend
+
+pytestmark = pytest.mark.skipif(
+    not cpu_kernels.available(), reason=f"C kernels unavailable: {cpu_kernels.unavailable_reason()}"
+)
+
+# More than 16 rows switches the kernel from one task per (row, kv head) to one task per row.
+MANY_LENS = [(i * 37) % 150 + 1 for i in range(40)]
+
+
+def _check_decode(
+    lens, num_heads, num_kv_heads, head_dim, block_size, dtype, seed=0, window=None, softcap=None
+):
+    query, k_cache, v_cache, table, clean, seq_lens = make_case(
+        seed, lens, num_heads, num_kv_heads, head_dim, block_size, dtype
+    )
+    scale = head_dim**-0.5
+    out = cpu_kernels.paged_decode_attention(query, k_cache, v_cache, table, seq_lens, scale, window, softcap)
+    expected = paged_ops.paged_decode_attention(
+        query.float(), k_cache.float(), v_cache.float(), clean, seq_lens, scale, window, softcap
+    )
+    assert out.shape == query.shape and out.dtype == dtype
+    live = seq_lens > 0
+    assert_close(out[live].float(), expected[live], dtype)
+    assert torch.equal(out[~live], torch.zeros_like(out[~live]))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("block_size", [1, 8, 16])
+@pytest.mark.parametrize(
+    ("num_heads", "num_kv_heads", "head_dim"), [(2, 2, 16), (9, 3, 64), (8, 2, 64), (4, 1, 128)]
+)
+@pytest.mark.parametrize("lens", [LENS, MANY_LENS], ids=["few-rows", "many-rows"])
+def test_decode_matches_reference(dtype, block_size, num_heads, num_kv_heads, head_dim, lens) -> None:
+    _check_decode(lens, num_heads, num_kv_heads, head_dim, block_size, dtype, seed=head_dim + block_size)
+
+
+@pytest.mark.parametrize("window", [1, 5, 16, 33, 100])
+@pytest.mark.parametrize("lens", [LENS, MANY_LENS], ids=["few-rows", "many-rows"])
+def test_decode_sliding_window(window: int, lens) -> None:
+    _check_decode(lens, 4, 2, 32, 8, torch.float32, seed=window, window=window)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("softcap", [0.5, 30.0])
+def test_decode_softcap_and_window(dtype: torch.dtype, softcap: float) -> None:
+    _check_decode(MANY_LENS, 4, 1, 32, 16, dtype, seed=3, softcap=softcap)
+    _check_decode(LENS, 8, 2, 32, 16, dtype, seed=4, window=20, softcap=softcap)
+
+
+def test_decode_float16_falls_back_to_reference() -> None:
+    query, k_cache, v_cache, _, clean, seq_lens = make_case(5, [3, 9], 4, 2, 16, 8, torch.float16)
+    out = cpu_kernels.paged_decode_attention(query, k_cache, v_cache, clean, seq_lens, 0.25)
+    expected = paged_ops.paged_decode_attention(query, k_cache, v_cache, clean, seq_lens, 0.25)
+    assert torch.equal(out, expected)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_store_kv_matches_reference(dtype: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(1)
+    num_kv_heads, head_dim, num_tokens, block_size = 3, 32, 11, 8
+    fused = torch.randn(num_tokens, 2 * num_kv_heads, head_dim + 8, generator=gen)
+    key, value = fused[:, :num_kv_heads, :head_dim], fused[:, num_kv_heads:, 8:]  # strided, float32
+    slots = torch.randperm(NUM_BLOCKS * block_size, generator=gen)[:num_tokens]
+    slots[[2, 5, 10]] = -1
+    caches = [
+        torch.randn(NUM_BLOCKS, block_size, num_kv_heads, head_dim, generator=gen).to(dtype) for _ in range(2)
+    ]
+    ref_k, ref_v = (c.clone() for c in caches)
+    out_k, out_v = (c.clone() for c in caches)
+    paged_ops.store_kv(key, value, ref_k, ref_v, slots)
+    cpu_kernels.store_kv(key, value, out_k, out_v, slots.to(torch.int32))
+    assert torch.equal(out_k, ref_k) and torch.equal(out_v, ref_v)
+    cpu_kernels.store_kv(key[:0], value[:0], out_k, out_v, slots[:0])
+    assert torch.equal(out_k, ref_k)
+
+
+def test_backend_choice() -> None:
+    cpu = torch.device("cpu")
+    assert choose_backend("auto", cpu, torch.float32) == "cpu"
+    assert choose_backend("auto", cpu, torch.bfloat16) == "cpu"
+    assert choose_backend("auto", cpu, torch.float16) == "torch"
+    assert choose_backend("torch", cpu, torch.float32) == "torch"
+    with pytest.raises(ValueError, match="float32/bfloat16"):
+        choose_backend("cpu", cpu, torch.float16)
+
+
+def test_failed_build_falls_back(monkeypatch, tmp_path) -> None:
+    """No compiler: ``available`` is false with a reason, and ``auto`` resolves to torch."""
+    monkeypatch.setattr(cpu_kernels, "_lib", None)
+    monkeypatch.setattr(cpu_kernels, "_error", None)
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
+    monkeypatch.setenv("CBGEN_KERNEL_DIR", str(tmp_path))
+    assert not cpu_kernels.available()
+    assert "no-such-compiler" in cpu_kernels.unavailable_reason()
+    assert choose_backend("auto", torch.device("cpu"), torch.float32) == "torch"
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma2"])
+def test_engine_backends_agree(arch: str) -> None:
+    """Greedy tokens through the C kernels equal the torch reference path (gemma2: window + soft-cap)."""
+    from tiny_models import make_model, make_prompts
+
+    model = make_model(arch)
+    prompts = make_prompts(20, lengths=(3, 90))
+    params = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
+    runs = {}
+    for backend in ("cpu", "torch"):
+        llm = LLM(model, block_size=8, attention_backend=backend)
+        assert llm.engine.runner.backend == backend
+        runs[backend] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert runs["cpu"] == runs["torch"]
