@@ -20,7 +20,8 @@ PYTEST_ARGS ?= -q
 # OpenMP default.
 TEST_ENV ?= OMP_WAIT_POLICY=PASSIVE
 SERVE_ARGS ?=
-BENCH_ARGS ?= --suite default
+# --cold-start adds the end-to-end time (process start -> all outputs, per engine) to the report.
+BENCH_ARGS ?= --suite default --cold-start
 
 .DEFAULT_GOAL := help
 .PHONY: help venv install install-test demo test lint format bench serve clean distclean

@@ -1,6 +1,7 @@
 """``cbgen bench`` end to end, in tiny form: every workload, every cheap engine, the report files and
-fields, the greedy token check against ``hf-generate``, the null model, and the vLLM subprocess
-protocol (against a fake ``vllm`` package, since vLLM itself is not installed here)."""
+fields, the greedy token check against ``hf-generate``, the null model, the cold-start processes and
+their table, and the vLLM subprocess protocol (against a fake ``vllm`` package, since vLLM itself is
+not installed here)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,10 @@ from pathlib import Path
 import pytest
 
 from cbgen.bench.cli import EXIT_CHECK_FAILED, main
+from cbgen.bench.cold_start import MARKS, VLLM_NOTE, ColdRun, ColdStartResult, run_cold_start
+from cbgen.bench.engines import BenchOptions
+from cbgen.bench.report import cold_start_markdown, markdown, summarize
+from cbgen.bench.workloads import Workload
 
 ENGINE_FIELDS = (
     "wall_s",
@@ -38,6 +43,23 @@ WORKLOAD_FIELDS = (
     "num_requests",
     "num_sequences",
     "greedy",
+)
+COLD_FIELDS = (
+    "import_s",
+    "load_s",
+    "engine_start_s",
+    "load_engine_s",
+    "generate_s",
+    "total_s",
+    "exit_s",
+    "total_s_min",
+    "total_s_max",
+    "output_tokens",
+    "tokens_match",
+    "cbgen_speedup",
+    "peak_rss_bytes",
+    "settings",
+    "runs",
 )
 
 
@@ -72,6 +94,7 @@ def tiny_report(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, Path]:
         "tiny",
         "--profile",
         "--null-model",
+        "--cold-start",
         "--workloads",
         "overhead,grpo,mixed",
         "--engines",
@@ -119,6 +142,10 @@ def test_report_has_every_field(tiny_report: tuple[dict, Path]) -> None:
     assert list(out.glob("bench-*.png")) and list(out.glob("profile-*.json"))
     table = next(out.glob("bench-*.md")).read_text()
     assert table.rstrip().splitlines()[-1].startswith("| mixed | hf-cb |")
+    # The tiny model has no folder, so there is nothing to cold-start; the report says why.
+    for wl in report["workloads"].values():
+        assert "only in memory" in wl["cold_start"]["skipped"]
+    assert "- cold start skipped for grpo: model 'tiny' exists only in memory" in table
 
 
 def test_greedy_tokens_match_hf_generate(tiny_report: tuple[dict, Path]) -> None:
@@ -174,6 +201,11 @@ FAKE_VLLM = textwrap.dedent(
             self.model = model
 
         def generate(self, prompts, params, use_tqdm=True):
+            import os
+
+            if os.environ.get("FAKE_VLLM_CALLS"):
+                with open(os.environ["FAKE_VLLM_CALLS"], "a") as f:
+                    f.write("generate\\n")
             # Deliberately wrong tokens: the report must refuse to trust these numbers.
             return [_Output([_Completion(j, [7] * p.max_tokens) for j in range(p.n)]) for p in params]
     """
@@ -214,3 +246,178 @@ def test_smollm2_chat_smoke_and_vllm_guard(
     assert chat["engines"]["vllm"]["settings"]["VLLM_CPU_NUM_OF_RESERVED_CPU"] == "0"
     assert [p["level"] for p in report["problems"]] == ["FAIL"]
     assert "CORRECTNESS CHECK FAILED" in next(out.glob("bench-*.md")).read_text()
+
+
+def _fake_vllm(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    fake = tmp_path / "fake"
+    (fake / "vllm").mkdir(parents=True)
+    (fake / "vllm" / "__init__.py").write_text(FAKE_VLLM)
+    monkeypatch.setenv("PYTHONPATH", str(fake))
+    calls = tmp_path / "calls.txt"
+    monkeypatch.setenv("FAKE_VLLM_CALLS", str(calls))
+    return calls
+
+
+@pytest.mark.slow
+def test_cold_start_chat(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # One thread per child process: on a shared box spinning OpenMP threads would make it slow.
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    argv = [
+        "--tiny",
+        "--repeats",
+        "1",
+        "--no-isolate",
+        "--cold-start",
+        "--workloads",
+        "chat",
+        "--engines",
+        "cbgen,hf-generate",
+        "--out",
+        str(tmp_path),
+    ]
+    assert main(argv) == 0
+    report = _report(tmp_path)
+    assert report["problems"] == []
+    wl = report["workloads"]["chat"]
+    cold = wl["cold_start"]
+    assert cold["folder"] and cold["correctness"] == {"reference": "hf-generate (cold)", "checked": True}
+    assert set(cold["engines"]) == {"cbgen", "hf-generate"}
+    for engine, row in cold["engines"].items():
+        assert row["error"] is None, (engine, row["error"])
+        for key in COLD_FIELDS:
+            assert key in row, (engine, key)
+        assert row["total_s"] > row["generate_s"] > 0, engine
+        assert row["import_s"] > 0 and row["load_s"] > 0 and row["engine_start_s"] >= 0, engine
+        parts = row["import_s"] + row["load_s"] + row["engine_start_s"] + row["generate_s"]
+        assert parts == pytest.approx(row["total_s"]), engine
+        assert row["exit_s"] >= 0 and row["output_tokens"] == wl["output_tokens"]
+        (run,) = row["runs"]
+        stamps = [run["spawn"], *(run["marks"][k] for k in MARKS), run["exited"]]
+        assert None not in stamps and stamps == sorted(stamps), (engine, stamps)
+    cb, hf = cold["engines"]["cbgen"], cold["engines"]["hf-generate"]
+    assert hf["tokens_match"] == "reference" and cb["tokens_match"] == 1.0
+    assert cb["cbgen_speedup"] is None
+    assert hf["cbgen_speedup"] == pytest.approx(hf["total_s"] / cb["total_s"])
+    assert cb["settings"]["num_blocks"] == wl["engines"]["cbgen"]["settings"]["num_blocks"]
+    lines = next(tmp_path.glob("bench-*.md")).read_text().rstrip().splitlines()
+    # The cold-start table comes before the throughput table, which stays last.
+    cold_at = lines.index("### Cold start: process start → all outputs")
+    assert any(line.startswith("| chat | cbgen | ") and "**" in line for line in lines[cold_at:])
+    assert lines.index("### Throughput after warm-up (generate only)") > cold_at
+    assert lines[-1].startswith("| chat | hf-generate |")
+
+
+def test_vllm_cold_start_protocol(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    calls = _fake_vllm(tmp_path, monkeypatch)
+    wl = Workload("chat", "smollm2", [[5, 6, 7], [8, 9]], [3, 2])
+    opts = BenchOptions(repeats=3, vllm_python=sys.executable)
+    result = run_cold_start("vllm", str(tmp_path / "model"), wl, opts)
+    assert result.error is None
+    # Cold means one generate and no warm-up, whatever --repeats says.
+    assert calls.read_text().splitlines() == ["generate"]
+    (run,) = result.runs
+    phases = run.phases()
+    # vLLM loads inside LLM(): no separate load mark, one load + engine start number.
+    assert run.marks["loaded"] is None and phases["load_s"] is None and phases["engine_start_s"] is None
+    assert phases["load_engine_s"] >= 0 and phases["total_s"] >= phases["generate_s"] >= 0
+    assert phases["import_s"] > 0 and run.output_tokens == wl.output_tokens
+    assert result.tokens == [[[7, 7, 7]], [[7, 7]]]
+    assert result.settings["VLLM_CPU_NUM_OF_RESERVED_CPU"] == "0"
+    assert VLLM_NOTE in result.notes
+
+
+def _cold(
+    engine: str, spawn: float, marks: list[float | None], tokens: list, exited: float
+) -> ColdStartResult:
+    run = ColdRun(spawn, dict(zip(MARKS, marks)), exited, sum(len(t) for r in tokens for t in r))
+    return ColdStartResult(engine, "chat", runs=[run], tokens=tokens)
+
+
+def test_cold_start_summary_and_table() -> None:
+    wl = Workload("chat", "smollm2", [[5, 6, 7], [8, 9]], [3, 3], description="two prompts")
+    good = [[[1, 2, 3]], [[4, 5, 6]]]
+    cold = {
+        "cbgen": _cold("cbgen", 100.0, [100.1, 102.0, 102.5, 102.6, 103.6], good, 104.0),
+        "hf-generate": _cold("hf-generate", 200.0, [200.1, 201.5, 203.5, 203.5, 205.0], good, 205.5),
+        "vllm": _cold("vllm", 300.0, [300.5, 305.0, None, 360.0, 361.0], [[[7, 7, 7]], [[7, 7, 7]]], 370.0),
+    }
+    tiny = Workload("overhead", "tiny", [[5, 6]], [2], description="tiny")
+    report = summarize(
+        {"chat": wl, "overhead": tiny},
+        {"chat": {}, "overhead": {}},
+        {},
+        {},
+        {"dtype": "float32", "cold_repeats": 1},
+        cold_start={
+            "chat": {"folder": "/models/smollm2", "engines": cold},
+            "overhead": {"skipped": "model 'tiny' exists only in memory"},
+        },
+    )
+    section = report["workloads"]["chat"]["cold_start"]
+    cb, hf, vl = (section["engines"][e] for e in ("cbgen", "hf-generate", "vllm"))
+    assert cb["import_s"] == pytest.approx(2.0) and cb["load_s"] == pytest.approx(0.5)
+    assert cb["engine_start_s"] == pytest.approx(0.1) and cb["generate_s"] == pytest.approx(1.0)
+    assert cb["total_s"] == pytest.approx(3.6) and cb["exit_s"] == pytest.approx(0.4)
+    assert hf["engine_start_s"] == 0 and hf["cbgen_speedup"] == pytest.approx(5.0 / 3.6)
+    assert vl["load_s"] is None and vl["load_engine_s"] == pytest.approx(55.0)
+    assert vl["cbgen_speedup"] == pytest.approx(61.0 / 3.6)
+    assert (cb["tokens_match"], hf["tokens_match"], vl["tokens_match"]) == (1.0, "reference", 0.0)
+    assert vl["flags"] == ["FAIL"] and "flags" not in cb
+    assert [p["level"] for p in report["problems"]] == ["FAIL"]
+    assert "chat/vllm cold start: only 0.0%" in report["problems"][0]["message"]
+    assert report["workloads"]["overhead"]["cold_start"]["skipped"]
+
+    text = markdown(report)
+    assert "| chat | cbgen | 2.00 | 0.50 | 0.10 | 1.00 | **3.60** | 100% | – |" in text
+    assert "| chat | hf-generate | 1.50 | 2.00 | 0.00 | 1.50 | **5.00** | ref | 1.39 |" in text
+    assert "| chat | vllm | 5.00 | – | 55.00 † | 1.00 | **61.00** | **FAIL 0%** | 16.94 |" in text
+    assert "- † load and engine start as one number" in text
+    assert "- cold start skipped for overhead: model 'tiny' exists only in memory" in text
+    assert "CORRECTNESS CHECK FAILED" in text
+    # The throughput table stays last.
+    lines = text.rstrip().splitlines()
+    assert lines.index("### Cold start: process start → all outputs") < lines.index(
+        "### Throughput after warm-up (generate only)"
+    )
+    assert lines[-1].startswith("|---|")
+
+
+def test_cold_start_table_from_dict() -> None:
+    """The table from a hand-written report: repeats show min–max, errors get a row, non-greedy
+    workloads are not flagged as unchecked, and a report without cold starts has no table."""
+    row = {
+        "import_s": 2.0,
+        "load_s": 0.5,
+        "engine_start_s": 0.25,
+        "load_engine_s": 0.75,
+        "generate_s": 1.0,
+        "total_s": 3.75,
+        "total_s_min": 3.5,
+        "total_s_max": 4.0,
+        "repeats": 3,
+        "tokens_match": None,
+        "cbgen_speedup": None,
+    }
+    report = {
+        "meta": {"cold_repeats": 3},
+        "workloads": {
+            "grpo": {
+                "greedy": False,
+                "cold_start": {
+                    "correctness": {"reference": None, "checked": False},
+                    "engines": {
+                        "cbgen": row,
+                        "vllm": {"error": "RuntimeError: cold-start child exited with status 1"},
+                    },
+                },
+            }
+        },
+    }
+    lines = cold_start_markdown(report)
+    assert lines[0] == "### Cold start: process start → all outputs"
+    assert "(medians of 3)" in lines[2]
+    assert "| grpo | cbgen | 2.00 | 0.50 | 0.25 | 1.00 | **3.75 (3.50–4.00)** | – | – |" in lines
+    error = next(line for line in lines if line.startswith("| grpo | vllm |"))
+    assert "**ERROR** RuntimeError" in error and error.count("|") == lines[4].count("|")
+    assert not any("NOT checked" in line for line in lines)
+    assert cold_start_markdown({"meta": {}, "workloads": {"grpo": {"greedy": False}}}) == []

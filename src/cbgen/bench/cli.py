@@ -7,6 +7,7 @@ Examples::
     cbgen bench --workloads chat --vllm-python ~/venvs/vllmcpu/bin/python
     cbgen bench --null-model                      # engine overhead only (stub model)
     cbgen bench --tiny --repeats 1 --no-isolate   # seconds-long smoke run
+    cbgen bench --workloads chat --cold-start     # + process start -> all outputs, per engine
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from cbgen.bench.cold_start import COLD_ENGINES, ColdStartResult, run_cold_start
 from cbgen.bench.engines import (
     ENGINE_NAMES,
     MAX_NUM_BATCHED_TOKENS,
@@ -43,6 +45,7 @@ from cbgen.bench.workloads import (
     build_workload,
     load_bench_model,
     model_dims,
+    model_path,
     vocab_size_of,
     workload_flops,
 )
@@ -137,6 +140,19 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="run engines in this process (faster start; peak RSS is then the process's)",
     )
+    p.add_argument(
+        "--cold-start",
+        action="store_true",
+        help="also time each workload end to end: a fresh process per engine (cbgen, hf-generate, "
+        "vllm) imports, loads the model folder, builds the engine and generates once, no warm-up",
+    )
+    p.add_argument(
+        "--cold-repeats",
+        type=int,
+        default=1,
+        metavar="N",
+        help="fresh processes per engine for --cold-start; medians are reported (1)",
+    )
     return p
 
 
@@ -204,6 +220,8 @@ def _meta(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
         "repeats": args.repeats,
         "tiny": args.tiny,
         "isolated": not args.no_isolate,
+        "cold_start": args.cold_start,
+        "cold_repeats": args.cold_repeats if args.cold_start else None,
         "python": platform.python_version(),
         "torch": torch.__version__,
         "transformers": transformers.__version__,
@@ -258,12 +276,60 @@ def _run_rounds(
     return merged
 
 
+def _describe_cold(result: ColdStartResult) -> str:
+    if result.error:
+        return f"ERROR {result.error}"
+    p = result.runs[-1].phases()
+    split = (
+        f"load {p['load_s']:.2f}, engine start {p['engine_start_s']:.2f}"
+        if p["load_s"] is not None
+        else f"load + engine start {p['load_engine_s']:.2f}"
+    )
+    return (
+        f"total {p['total_s']:.2f} s (import {p['import_s']:.2f}, {split}, generate {p['generate_s']:.2f}; "
+        f"exit took {p['exit_s']:.2f} more)"
+    )
+
+
+def _cold_rounds(
+    name: str, wl: Workload, engines: list[str], folder: str, opts: BenchOptions, repeats: int
+) -> dict[str, ColdStartResult]:
+    """Cold starts round-robin, one fresh process per engine per round, as :func:`_run_rounds` does
+    for the warm runs and for the same reason."""
+    results: dict[str, ColdStartResult] = {}
+    for rnd in range(repeats):
+        for engine in engines:
+            if engine in results and results[engine].error:
+                continue
+            results[engine] = run_cold_start(engine, folder, wl, opts, results.get(engine))
+            _log(f"{name}/{engine} cold start ({rnd + 1}/{repeats}): {_describe_cold(results[engine])}")
+    return results
+
+
+def _cold_plan(
+    name: str, wl: Workload, key: str, engines: list[str], opts: BenchOptions, repeats: int
+) -> dict[str, Any]:
+    """Runs the cold starts of one workload, or says why they cannot run."""
+    chosen = [e for e in COLD_ENGINES if e in engines]
+    folder = model_path(key)
+    if folder is None:
+        reason = f"model {key!r} exists only in memory; a cold start needs a model folder to load"
+    elif not chosen:
+        reason = f"none of its engines has a cold-start runner ({', '.join(COLD_ENGINES)})"
+    else:
+        return {"folder": folder, "engines": _cold_rounds(name, wl, chosen, folder, opts, repeats)}
+    _log(f"{name}: cold start skipped ({reason})")
+    return {"skipped": reason}
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``cbgen bench``; exits with status 3 if a correctness check failed."""
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
     if args.repeats < 1:
         raise SystemExit("cbgen bench: --repeats must be >= 1")
+    if args.cold_repeats < 1:
+        raise SystemExit("cbgen bench: --cold-repeats must be >= 1")
     plan = _plan(args)
     opts = BenchOptions(
         repeats=args.repeats,
@@ -294,6 +360,7 @@ def main(argv: list[str] | None = None) -> int:
     skipped: list[dict[str, str]] = []
     profile: dict[str, Any] = {}
     step_records: dict[str, Any] = {}
+    cold: dict[str, dict[str, Any]] = {}
     for name, engines in plan:
         key = args.model or DEFAULT_MODELS[name]
         model, tokenizer = model_for(key)
@@ -328,6 +395,10 @@ def main(argv: list[str] | None = None) -> int:
         ceilings[name] = best_ceiling(
             before, matmul_ceiling(dims, **rows, device=args.device, budget_s=budget)
         )
+        if args.cold_start:
+            # After the warm runs: every engine has then had the chance to fill its on-disk caches
+            # (compiled kernels, vLLM's torch.compile cache), as on a machine that ran it before.
+            cold[name] = _cold_plan(name, wl, key, runnable, opts, args.cold_repeats)
         cb = results[name].get("cbgen")
         if args.profile and cb is not None and cb.steps:
             profile[name] = profile_breakdown(cb.steps)
@@ -351,7 +422,14 @@ def main(argv: list[str] | None = None) -> int:
         )
 
     report = summarize(
-        workloads, results, flops, ceilings, meta, null_model=null_rows, profile=profile or None
+        workloads,
+        results,
+        flops,
+        ceilings,
+        meta,
+        null_model=null_rows,
+        profile=profile or None,
+        cold_start=cold if args.cold_start else None,
     )
     report["skipped"] = skipped
     meta["loadavg_end"] = _loadavg()

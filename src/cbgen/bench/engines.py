@@ -3,7 +3,7 @@ batching, and vLLM (through :mod:`cbgen.bench.vllm_runner` in another interprete
 
 Each runner does one untimed warm-up, then ``repeats`` timed runs of the whole workload, and returns an
 :class:`EngineResult`.  Only generation is timed: model loading, engine construction and KV-cache
-allocation are not.  No engine detokenizes.  Every engine gets the same KV capacity (enough for the
+allocation are not (``cbgen bench --cold-start`` times those, in :mod:`cbgen.bench.cold_start`).  No engine detokenizes.  Every engine gets the same KV capacity (enough for the
 whole workload at once), the same per-step token budget (2,048) and the same sequence cap (256).
 
 Run as ``python -m cbgen.bench.engines SPEC OUT`` this module is the isolated worker: it loads the
@@ -461,10 +461,12 @@ def vllm_unsupported_reason(model: Any) -> str | None:
     return None
 
 
-def run_vllm(folder: str, workload: Workload, opts: BenchOptions) -> EngineResult:
-    """vLLM in ``opts.vllm_python`` (its own virtualenv) running :mod:`cbgen.bench.vllm_runner`."""
-    runner = Path(__file__).with_name("vllm_runner.py")
-    spec = {
+VLLM_RUNNER = Path(__file__).with_name("vllm_runner.py")
+
+
+def vllm_spec(folder: str, workload: Workload, opts: BenchOptions) -> dict[str, Any]:
+    """The JSON spec :mod:`cbgen.bench.vllm_runner` reads for ``workload`` on the model in ``folder``."""
+    return {
         "model": folder,
         "dtype": opts.dtype,
         "prompts": workload.prompts,
@@ -476,6 +478,10 @@ def run_vllm(folder: str, workload: Workload, opts: BenchOptions) -> EngineResul
         "max_num_batched_tokens": MAX_NUM_BATCHED_TOKENS,
         "max_num_seqs": MAX_NUM_SEQS,
     }
+
+
+def vllm_env() -> dict[str, str]:
+    """This process's environment with vLLM's CPU settings added, for the vLLM subprocess only."""
     env = dict(os.environ)
     env.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
@@ -483,12 +489,18 @@ def run_vllm(folder: str, workload: Workload, opts: BenchOptions) -> EngineResul
         # Preloads (tcmalloc, libiomp5) meant for vLLM alone: setting LD_PRELOAD on the whole
         # benchmark would change the allocator under cbgen and transformers too.
         env["LD_PRELOAD"] = os.environ["VLLM_LD_PRELOAD"]
+    return env
+
+
+def run_vllm(folder: str, workload: Workload, opts: BenchOptions) -> EngineResult:
+    """vLLM in ``opts.vllm_python`` (its own virtualenv) running :mod:`cbgen.bench.vllm_runner`."""
+    spec = vllm_spec(folder, workload, opts)
     with tempfile.TemporaryDirectory(prefix="cbgen-vllm-") as tmp:
         spec_path, out_path = Path(tmp) / "spec.json", Path(tmp) / "out.json"
         spec_path.write_text(json.dumps(spec))
         proc = subprocess.run(
-            [opts.vllm_python, str(runner), "--spec", str(spec_path), "--out", str(out_path)],
-            env=env,
+            [opts.vllm_python, str(VLLM_RUNNER), "--spec", str(spec_path), "--out", str(out_path)],
+            env=vllm_env(),
             check=False,
         )
         if proc.returncode != 0 or not out_path.exists():

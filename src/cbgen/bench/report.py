@@ -12,6 +12,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
+from cbgen.bench.cold_start import ColdStartResult, marks_ordered, median_phases
 from cbgen.bench.engines import BASELINES, REFERENCE_ENGINE, EngineResult
 from cbgen.bench.workloads import Workload
 
@@ -117,21 +118,119 @@ def summarize_engine(
 
     row["tokens_match"] = None
     if workload.greedy and reference is not None and reference.error is None and result is not reference:
-        match = tokens_match(result.tokens, reference.tokens)
-        row["tokens_match"] = match
-        if match is not None and match < 1.0:
-            level = "FAIL" if dtype == "float32" else "WARN"
-            why = "" if level == "FAIL" else " (bf16: near-tie rounding can flip a token)"
-            row["problems"].append(
-                (
-                    level,
-                    f"{workload.name}/{result.engine}: only {match:.1%} of greedy sequences match "
-                    f"{REFERENCE_ENGINE}{why}",
-                )
-            )
+        row["tokens_match"], found = _check_tokens(
+            f"{workload.name}/{result.engine}", result.tokens, reference.tokens, dtype
+        )
+        row["problems"].extend(found)
     elif result is reference and workload.greedy:
         row["tokens_match"] = "reference"
     return row
+
+
+def _check_tokens(
+    label: str, tokens: list | None, reference: list | None, dtype: str
+) -> tuple[float | None, list[tuple[str, str]]]:
+    """Greedy tokens against the reference's: the match fraction, and a FAIL (float32) or WARN
+    (bfloat16) problem labelled ``label`` when they differ."""
+    match = tokens_match(tokens, reference)
+    if match is None or match >= 1.0:
+        return match, []
+    level = "FAIL" if dtype == "float32" else "WARN"
+    why = "" if level == "FAIL" else " (bf16: near-tie rounding can flip a token)"
+    return match, [(level, f"{label}: only {match:.1%} of greedy sequences match {REFERENCE_ENGINE}{why}")]
+
+
+def summarize_cold_start(
+    workload: Workload,
+    cold: dict[str, ColdStartResult],
+    dtype: str,
+    warm_reference: EngineResult | None = None,
+    folder: str | None = None,
+) -> dict[str, Any]:
+    """The ``cold_start`` section of one workload: per engine the median seconds of each phase
+    (:data:`cbgen.bench.cold_start.PHASES`), the runs, token checks and ``cbgen_speedup`` (the engine's
+    median total over cbgen's).  Problems (``{"level", "message"}``) are left under the ``problems``
+    key for :func:`summarize`, and their levels under each row's ``flags``.
+
+    Greedy tokens are checked against the cold ``hf-generate`` run, or the warm one if the cold one
+    did not run, so that no cold-start number comes from wrong output.
+    """
+    name = workload.name
+    problems: list[dict[str, str]] = []
+
+    def flag(row: dict[str, Any], level: str, message: str) -> None:
+        problems.append({"level": level, "message": message})
+        row.setdefault("flags", []).append(level)
+
+    ref_engine = cold.get(REFERENCE_ENGINE)
+    reference, ref_label = None, None
+    if ref_engine is not None and ref_engine.error is None and ref_engine.tokens is not None:
+        reference, ref_label = ref_engine.tokens, f"{REFERENCE_ENGINE} (cold)"
+    elif warm_reference is not None and warm_reference.error is None and warm_reference.tokens is not None:
+        reference, ref_label = warm_reference.tokens, f"{REFERENCE_ENGINE} (warm run)"
+    rows: dict[str, dict[str, Any]] = {}
+    for engine, result in cold.items():
+        row: dict[str, Any] = {
+            "engine": engine,
+            "error": result.error,
+            "repeats": len(result.runs),
+            "settings": result.settings,
+            "notes": list(result.notes),
+            "runs": [],
+        }
+        rows[engine] = row
+        label = f"{name}/{engine} cold start"
+        if result.error:
+            flag(row, "FAIL", f"{label}: {result.error}")
+            if not result.runs:
+                continue
+        for run in result.runs:
+            entry = {
+                "spawn": run.spawn,
+                "marks": run.marks,
+                "exited": run.exited,
+                "output_tokens": run.output_tokens,
+                "peak_rss_bytes": run.peak_rss_bytes,
+                **run.phases(),
+            }
+            row["runs"].append(entry)
+            if run.output_tokens != workload.output_tokens:
+                flag(
+                    row,
+                    "FAIL",
+                    f"{label}: produced {run.output_tokens} tokens, expected {workload.output_tokens}",
+                )
+            if not marks_ordered(run.spawn, run.marks):
+                # A clock step (NTP) between two marks: the phases of this run are meaningless.
+                flag(row, "WARN", f"{label}: timestamps out of order {run.marks}")
+        row.update(median_phases(result.runs))
+        totals = [r["total_s"] for r in row["runs"] if r["total_s"] is not None]
+        row["total_s_min"] = min(totals) if totals else None
+        row["total_s_max"] = max(totals) if totals else None
+        row["output_tokens"] = result.runs[-1].output_tokens if result.runs else None
+        peaks = [r.peak_rss_bytes for r in result.runs if r.peak_rss_bytes]
+        row["peak_rss_bytes"] = max(peaks) if peaks else None
+        row["tokens_match"] = None
+        if workload.greedy and reference is not None:
+            if result is ref_engine:
+                row["tokens_match"] = "reference"
+            else:
+                row["tokens_match"], found = _check_tokens(label, result.tokens, reference, dtype)
+                for level, message in found:
+                    flag(row, level, message)
+    cb_total = rows.get("cbgen", {}).get("total_s")
+    for engine, row in rows.items():
+        total = row.get("total_s")
+        row["cbgen_speedup"] = total / cb_total if engine != "cbgen" and total and cb_total else None
+    return {
+        "folder": folder,
+        "engines": rows,
+        "correctness": {
+            "reference": ref_label if workload.greedy else None,
+            "checked": bool(workload.greedy and reference is not None),
+        },
+        "problems": problems,
+    }
 
 
 def summarize(
@@ -142,8 +241,13 @@ def summarize(
     meta: dict[str, Any],
     null_model: list[dict[str, Any]] | None = None,
     profile: dict[str, Any] | None = None,
+    cold_start: dict[str, dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
-    """The whole report as a JSON-ready dict (see ``benchmarks/README.md`` for the fields)."""
+    """The whole report as a JSON-ready dict (see ``benchmarks/README.md`` for the fields).
+
+    ``cold_start`` maps a workload to ``{"folder": ..., "engines": {engine: ColdStartResult}}`` or to
+    ``{"skipped": reason}``; it becomes that workload's ``cold_start`` section.
+    """
     dtype = meta.get("dtype", "float32")
     report: dict[str, Any] = {"meta": meta, "workloads": {}, "problems": []}
     for name, wl in workloads.items():
@@ -182,6 +286,14 @@ def summarize(
             for level, text in row.pop("problems"):
                 report["problems"].append({"level": level, "message": text})
                 row.setdefault("flags", []).append(level)
+        if cold_start is not None and name in cold_start:
+            plan = cold_start[name]
+            if plan.get("skipped"):
+                entry["cold_start"] = {"skipped": plan["skipped"], "engines": {}}
+            else:
+                section = summarize_cold_start(wl, plan["engines"], dtype, reference, plan.get("folder"))
+                report["problems"].extend(section.pop("problems"))
+                entry["cold_start"] = section
         report["workloads"][name] = entry
     if null_model is not None:
         report["null_model"] = null_model
@@ -308,8 +420,65 @@ def _match(row: dict[str, Any]) -> str:
     return "100%"
 
 
+def cold_start_markdown(report: dict[str, Any]) -> list[str]:
+    """The cold-start table and its notes as markdown lines; empty if no workload has a section."""
+    sections = {n: w["cold_start"] for n, w in report["workloads"].items() if "cold_start" in w}
+    if not sections:
+        return []
+    rows, notes = [], []
+    combined = False
+    for name, section in sections.items():
+        if section.get("skipped"):
+            notes.append(f"- cold start skipped for {name}: {section['skipped']}")
+            continue
+        ran = any(not r.get("error") for r in section["engines"].values())
+        if ran and report["workloads"][name].get("greedy") and not section["correctness"]["checked"]:
+            notes.append(f"- cold start {name}: tokens NOT checked (no {REFERENCE_ENGINE} output)")
+        for engine, row in section["engines"].items():
+            if row.get("total_s") is None:
+                rows.append(f"| {name} | {engine} | **ERROR** {row.get('error')} |" + " |" * 6)
+                continue
+            if row.get("load_s") is None:
+                # Loaded and started in one call (vLLM's LLM()): one number across both columns.
+                combined = True
+                load, start = "–", f"{row['load_engine_s']:.2f} †"
+            else:
+                load, start = f"{row['load_s']:.2f}", f"{row['engine_start_s']:.2f}"
+            total = f"{row['total_s']:.2f}"
+            if row.get("repeats", 1) > 1:
+                total += f" ({row['total_s_min']:.2f}–{row['total_s_max']:.2f})"
+            rows.append(
+                f"| {name} | {engine} | {row['import_s']:.2f} | {load} | {start} | "
+                f"{row['generate_s']:.2f} | **{total}** | {_match(row)} | "
+                f"{_fmt(row.get('cbgen_speedup'), '.2f')} |"
+            )
+    if combined:
+        notes.insert(
+            0, "- † load and engine start as one number: the engine loads the weights inside `LLM()` (vLLM)"
+        )
+    repeats = report["meta"].get("cold_repeats") or 1
+    lines = ["### Cold start: process start → all outputs", ""]
+    if rows:
+        lines += [
+            f"One fresh process per engine{'' if repeats == 1 else f' and repeat (medians of {repeats})'}: "
+            "import, load the model from its folder, build the engine, generate the whole workload once "
+            "with no warm-up. Seconds; *import* counts from the spawn, so it holds Python's start-up; "
+            "*total* is spawn → last output (process exit left out); *cbgen ×* is the engine's total "
+            "over cbgen's.",
+            "",
+            "| workload | engine | import s | load s | engine start s | generate s | total s | tokens match "
+            "| cbgen × |",
+            "|---|---|---:|---:|---:|---:|---:|---:|---:|",
+            *rows,
+            "",
+        ]
+    if notes:
+        lines += [*notes, ""]
+    return lines
+
+
 def markdown(report: dict[str, Any]) -> str:
-    """The human-readable report; the results table comes last."""
+    """The human-readable report; the results table comes last, the cold-start table before it."""
     meta = report["meta"]
     lines = [
         f"## cbgen bench ({meta.get('started')})",
@@ -411,6 +580,9 @@ def markdown(report: dict[str, Any]) -> str:
             "",
         ]
 
+    cold = cold_start_markdown(report)
+    if cold:
+        lines += [*cold, "### Throughput after warm-up (generate only)", ""]
     lines += [
         "| workload | engine | wall s | output tok/s (min–max) | total tok/s | peak mem | steps | mean batch | "
         "prefix hit | preempt | TTFT p50 / p99 ms | % matmul ceiling | tokens match | cbgen × |",

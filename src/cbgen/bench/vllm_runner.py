@@ -8,6 +8,12 @@ has no cbgen installed, so it imports nothing from cbgen: only the standard libr
 ``spec.json`` holds ``model`` (a safetensors folder), ``dtype``, ``prompts`` (token-id lists),
 ``max_tokens`` (one per prompt), ``n``, ``temperature``, ``seed``, ``repeats``,
 ``max_num_batched_tokens`` and ``max_num_seqs``.  Only ``generate`` is timed, after a short warm-up.
+
+With ``"cold": true`` (``cbgen bench --cold-start``) there is no warm-up and one ``generate``; the
+output then also holds ``marks``: ``time.time()`` when this script started running, after ``import
+vllm``, after ``LLM(...)`` returned (vLLM loads the weights *and* starts its engine, compiling and
+profiling included, inside that one call, so the two cannot be told apart from here), and when the
+outputs were in hand.  The parent subtracts its own spawn time from these.
 """
 
 from __future__ import annotations
@@ -19,6 +25,9 @@ import resource
 import time
 from pathlib import Path
 from typing import Any
+
+# Taken before anything heavy is imported: the interpreter is up and reading this file.
+STARTED = time.time()
 
 # Must be set before vLLM is imported.  0 reserved CPUs lets the model use every core (vLLM keeps one
 # for its scheduler by default); 2 GiB of KV cache is plenty for the built-in workloads.
@@ -80,12 +89,18 @@ def _ttft(output: Any) -> float | None:
 
 
 def run(spec: dict[str, Any]) -> dict[str, Any]:
-    """Loads the model, warms up, then times ``repeats`` calls of ``generate`` over the whole workload."""
+    """Loads the model, warms up, then times ``repeats`` calls of ``generate`` over the whole workload.
+
+    A cold spec (``"cold": true``) skips the warm-up, runs ``generate`` once and records ``marks``.
+    """
+    cold = bool(spec.get("cold"))
+    marks: dict[str, float | None] = {"started": STARTED}
     for key, value in ENV_DEFAULTS.items():
         os.environ.setdefault(key, value)
     import vllm
     from vllm import LLM, SamplingParams
 
+    marks["imported"] = time.time()
     prompts = spec["prompts"]
     budget = spec.get("max_num_batched_tokens", 2048)
     longest = max(len(p) + m for p, m in zip(prompts, spec["max_tokens"]))
@@ -100,6 +115,8 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
         max_num_seqs=spec.get("max_num_seqs", 256),
         enable_prefix_caching=True,
     )
+    marks["loaded"] = None  # inside LLM(), together with the engine start
+    marks["engine_ready"] = time.time()
 
     def params(max_tokens: int, n: int) -> Any:
         # vLLM's top_k/top_p defaults already sample from the full distribution, as cbgen does.
@@ -113,18 +130,20 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
             seed=spec.get("seed", 0) if sampled else None,
         )
 
-    warm = [{"prompt_token_ids": [17, 18, 19, 20, 21, 22, 23, 24]}, {"prompt_token_ids": [31, 32, 33]}]
-    llm.generate(warm, [params(4, 1), params(4, 1)], use_tqdm=False)
+    if not cold:
+        warm = [{"prompt_token_ids": [17, 18, 19, 20, 21, 22, 23, 24]}, {"prompt_token_ids": [31, 32, 33]}]
+        llm.generate(warm, [params(4, 1), params(4, 1)], use_tqdm=False)
     runs, tokens = [], []
-    for _ in range(int(spec.get("repeats", 3))):
-        # A warm prefix cache from the previous repeat would flatter the later ones.
-        if hasattr(llm, "reset_prefix_cache"):
+    for _ in range(1 if cold else int(spec.get("repeats", 3))):
+        # A warm prefix cache from the previous repeat would flatter the later ones (a cold run has none).
+        if not cold and hasattr(llm, "reset_prefix_cache"):
             llm.reset_prefix_cache()
         batch = [{"prompt_token_ids": list(p)} for p in prompts]
         sampling = [params(m, spec.get("n", 1)) for m in spec["max_tokens"]]
         t0 = time.perf_counter()
         outputs = llm.generate(batch, sampling, use_tqdm=False)
         wall = time.perf_counter() - t0
+        marks["outputs_done"] = time.time()
         tokens = [[list(c.token_ids) for c in sorted(o.outputs, key=lambda c: c.index)] for o in outputs]
         ttft = [t for t in (_ttft(o) for o in outputs) if t is not None]
         runs.append(
@@ -135,6 +154,8 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
             }
         )
     return {
+        "cold": cold,
+        "marks": marks,
         "runs": runs,
         "tokens": tokens,
         "peak_rss_bytes": peak_rss_tree(),
