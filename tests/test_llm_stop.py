@@ -18,7 +18,15 @@ def llm(smollm2_path):
     return LLM(model, tokenizer, block_size=16)
 
 
-def test_greedy_answer_and_stop_string_spanning_tokens(llm):
+@pytest.fixture(scope="module")
+def async_llm(llm):
+    """The same model under overlap scheduling (stop checks one step late)."""
+    return LLM(llm.model, llm.tokenizer, block_size=16, async_scheduling=True)
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_greedy_answer_and_stop_string_spanning_tokens(llm, async_llm, mode):
+    llm = async_llm if mode == "async" else llm
     full = llm.chat(QUESTION, SamplingParams(max_tokens=20, temperature=0), use_tqdm=False)[0].outputs[0]
     assert "capital of France is Paris" in full.text
     ids = full.token_ids
@@ -43,7 +51,9 @@ def test_greedy_answer_and_stop_string_spanning_tokens(llm):
     assert kept.text == full.text[: full.text.index(stop) + len(stop)]
 
 
-def test_eos_ends_generation_and_is_not_in_text(llm):
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_eos_ends_generation_and_is_not_in_text(llm, async_llm, mode):
+    llm = async_llm if mode == "async" else llm
     out = llm.chat(QUESTION, SamplingParams(max_tokens=200, temperature=0), use_tqdm=False)[0].outputs[0]
     assert out.finish_reason == "stop" and out.token_ids[-1] == 2
     assert "<|im_end|>" not in out.text

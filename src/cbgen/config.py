@@ -33,6 +33,10 @@ class EngineConfig:
     compile: bool = False
     attention_backend: str = "auto"  # "auto" | "torch" | "cpu" | "triton" | "flash_attn"
     cuda_graph_max_batch: int | None = None  # default: max_num_seqs
+    # Overlap scheduling: step N+1 is scheduled, built and launched before step N's tokens are read
+    # back (stop checks lag one step; tokens past a stop are dropped).  None: on for CUDA, off on CPU,
+    # where torch runs synchronously and there is nothing to overlap.
+    async_scheduling: bool | None = None
     seed: int = 0
 
     def __post_init__(self) -> None:

@@ -15,6 +15,7 @@ import operator
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -79,6 +80,19 @@ class EngineStats:
     def prefix_cache_hit_rate(self) -> float:
         """Fraction of looked-up prompt tokens served from the prefix cache."""
         return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
+
+
+@dataclass
+class _StepResult:
+    """A step that was run and sampled but whose tokens are not applied yet."""
+
+    batch: ModelInput
+    sampled: Any  # SamplerOutput | None
+    crossed: list[Request]  # requests whose computed tokens completed a block in this step
+
+    def sample_index(self) -> dict[int, int]:
+        """id(request) -> its row in the sampled tensors."""
+        return {id(r): i for i, r in enumerate(self.batch.sample_requests)}
 
 
 @dataclass
@@ -158,6 +172,13 @@ class Engine:
         self.stats = EngineStats()
         self._pending_copies: list[tuple[int, int]] = []
         self._counter = 0
+        # Overlap scheduling: the last step, sampled but not yet read back, and groups it changed
+        # that still owe an output.
+        self.async_scheduling = (
+            config.async_scheduling if config.async_scheduling is not None else self.device.type == "cuda"
+        )
+        self._deferred: _StepResult | None = None
+        self._carry: dict[str, RequestGroup] = {}
 
     @staticmethod
     def _eos_ids(model, tokenizer) -> set[int]:
@@ -263,13 +284,17 @@ class Engine:
         return self._group_output(group, delta=group.stream)
 
     def has_unfinished(self) -> bool:
-        """True while any request is queued or running."""
+        """True while any request is queued or running (or its last tokens are not read back)."""
         return bool(self.groups)
 
     # ------------------------------------------------------------------ weights
     def _check_weights(self) -> None:
         if not self.weights.changed():
             return
+        # Tokens still on the device were sampled under the old weights: apply them first (their
+        # outputs go out with the next step), then the policy below treats them like the others.
+        self._finish_step(self._deferred, self._carry)
+        self._deferred = None
         self.stats.weight_changes += 1
         self.reset_prefix_cache()
         # Policy: a request in flight when the weights change is recomputed from its prompt under the
@@ -309,44 +334,102 @@ class Engine:
     # ------------------------------------------------------------------ the step
     def step(self) -> list[RequestOutput]:
         """Runs one scheduling + forward + sampling step; returns outputs of groups that changed
-        (every step for streamed groups, once at the end for the others)."""
+        (every step for streamed groups, once at the end for the others).
+
+        With overlap scheduling, the step's sampled tokens stay on the device and are read back in
+        the next step, after that step's forward was launched: stop checks lag one step, and a
+        token sampled for a request that had already stopped is dropped, never emitted.
+        """
         t0 = time.perf_counter()
         if not self.kv_cache.allocated:
             raise RuntimeError("the KV cache was released: call resume_memory() before generating again")
         self._check_weights()
+        changed, self._carry = self._carry, {}
         sched = self.scheduler.schedule()
         t1 = time.perf_counter()
-        changed: dict[str, RequestGroup] = {}
         for request in sched.failed:
             self._finish(request, RequestStatus.FINISHED_ERROR, error=request.error)
             changed[request.group_id] = self.groups[request.group_id]
         times = {"schedule": t1 - t0}
-        batch = None
+        batch = logits = None
+        crossed: list[Request] = []
         if sched.scheduled:
             batch = self.input_builder.build(sched.scheduled, self.kv_cache.layers)
+            self._patch_pending_inputs(batch)
             t2 = time.perf_counter()
             if self._pending_copies:
                 self.kv_cache.copy_blocks(self._pending_copies)
                 self._pending_copies = []
             logits = self.runner.execute(batch)
-            t3 = time.perf_counter()
-            sample_logits = logits[batch.num_prompt_rows :]
-            sampled = self.sampler(sample_logits, batch.sample_requests) if batch.sample_requests else None
-            t4 = time.perf_counter()
+            crossed = self._advance(batch)
             if batch.prompt_rows:
                 self._record_prompt_logprobs(batch, logits[: batch.num_prompt_rows])
-            self._update(batch, sampled, changed)
+            times.update(build=t2 - t1, forward=time.perf_counter() - t2)
+        # While the device runs this step's forward, the CPU reads back and applies the previous one.
+        t3 = time.perf_counter()
+        self._finish_step(self._deferred, changed)
+        self._deferred = None
+        outputs = self._collect_outputs(changed)
+        if batch is not None:
+            t4 = time.perf_counter()
+            sample_logits = logits[batch.num_prompt_rows :]
+            sampled = self.sampler(sample_logits, batch.sample_requests) if batch.sample_requests else None
             t5 = time.perf_counter()
-            times.update(build=t2 - t1, forward=t3 - t2, sample=t4 - t3, update=t5 - t4)
+            done = _StepResult(batch, sampled, crossed)
+            if self.async_scheduling and sampled is not None:
+                for r in batch.sample_requests:
+                    if r.status is RequestStatus.RUNNING:
+                        r.append_placeholder()
+                self._deferred = done
+            else:
+                self._finish_step(done, changed)
+                outputs += self._collect_outputs(changed)
+            times.update(sample=t5 - t4, update=time.perf_counter() - t5 + (t4 - t3))
         self.scheduler.remove_finished()
+        self._account(sched, batch, times)
+        return outputs
 
+    def _advance(self, batch: ModelInput) -> list[Request]:
+        """Counts the step's tokens as computed; returns requests that completed a block (published
+        once their tokens are all known)."""
+        bs = self.block_manager.block_size
+        crossed = []
+        for r, n in batch.scheduled:
+            before = r.num_computed_tokens
+            r.num_computed_tokens += n
+            if (before + n) // bs > before // bs:
+                crossed.append(r)
+        return crossed
+
+    def _patch_pending_inputs(self, batch: ModelInput) -> None:
+        """Feeds the previous step's device-side tokens to the rows whose input is still pending."""
+        prev = self._deferred
+        if prev is None:
+            return
+        rows, src = [], []
+        index = prev.sample_index()
+        for row, (r, n) in enumerate(batch.scheduled):
+            if r.pending:
+                # Only a decode row can end in the placeholder: a recompute after preemption waits
+                # until the placeholder is resolved.
+                assert n == 1 and r.num_computed_tokens == r.num_tokens - 1, r.request_id
+                rows.append(row)
+                src.append(index[id(r)])
+        if rows:
+            dev = batch.input_ids.device
+            tokens = prev.sampled.device_token_ids
+            batch.input_ids[torch.tensor(rows, device=dev)] = tokens[
+                torch.tensor(src, device=tokens.device)
+            ].to(dev)
+
+    def _collect_outputs(self, changed: dict[str, RequestGroup]) -> list[RequestOutput]:
         outputs = []
         for group in changed.values():
             if group.all_finished():
                 outputs.append(self._group_output(group, delta=group.stream))
             elif group.stream:
                 outputs.append(self._group_output(group, delta=True))
-        self._account(sched, batch, times)
+        changed.clear()
         return outputs
 
     def _record_prompt_logprobs(self, batch: ModelInput, logits: torch.Tensor) -> None:
@@ -369,15 +452,14 @@ class Engine:
                         entry.setdefault(tok, lp)
                 r.prompt_logprobs.append(entry)
 
-    def _update(self, batch: ModelInput, sampled, changed: dict[str, RequestGroup]) -> None:
-        bm = self.block_manager
-        bs = bm.block_size
-        for r, n in batch.scheduled:
-            before = r.num_computed_tokens
-            r.num_computed_tokens += n
-            if (before + n) // bs > before // bs:
-                bm.cache_computed_blocks(r)
+    def _finish_step(self, result: _StepResult | None, changed: dict[str, RequestGroup]) -> None:
+        """Reads a step's sampled tokens back and applies them: append, stop checks, forks, frees,
+        and publishes the blocks the step completed."""
+        if result is None:
+            return
+        batch, sampled = result.batch, result.sampled
         if sampled is None:
+            self._publish(result.crossed)
             return
         tokens = sampled.token_ids.tolist()
         logprobs = sampled.logprobs.tolist()
@@ -415,11 +497,19 @@ class Engine:
             status = self._stop_status(r, token)
             if status is not None:
                 self._finish(r, status)
+        self._publish(result.crossed)
+
+    def _publish(self, requests: list[Request]) -> None:
+        for r in requests:
+            if not r.is_finished and not r.pending:
+                self.block_manager.cache_computed_blocks(r)
 
     def _fork(self, follower: Request) -> None:
         leader = self.groups[follower.group_id].samples[0]
         try:
-            pair = self.block_manager.fork(leader, follower)
+            # The prompt only: with overlap scheduling the leader may already have computed its
+            # first sampled token, which is not the follower's.
+            pair = self.block_manager.fork(leader, follower, leader.num_prompt_tokens)
         except MemoryError:
             # No block for the private tail copy: recompute this sample from the prefix cache instead.
             follower.status = RequestStatus.WAITING
@@ -449,6 +539,7 @@ class Engine:
     def _finish(self, r: Request, status: RequestStatus, error: str | None = None) -> None:
         """The one place a sequence ends: sets its status and frees its blocks."""
         assert not r.is_finished, f"{r.request_id} finished twice"
+        r.drop_placeholder()
         r.status = status
         r.finish_reason = status.value
         r.error = error

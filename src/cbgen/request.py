@@ -10,6 +10,10 @@ from typing import Any
 from cbgen.sampling_params import SamplingParams
 
 
+# Stands in ``token_ids`` for a token still on the device; never fed to a model or emitted.
+PENDING_TOKEN = -1
+
+
 class RequestStatus(enum.Enum):
     """Lifecycle of one sequence. Every sequence reaches exactly one FINISHED_* status."""
 
@@ -69,6 +73,9 @@ class Request:
     # Output-layer state (detokeniser, stop strings), owned by the engine's output processor.
     output_state: Any = None
     first_token_time: float | None = None
+    # Overlap scheduling: the last entry of ``token_ids`` is a placeholder for a token that was
+    # sampled on the device but not read back yet (see Engine.step).
+    pending: bool = False
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)
@@ -105,5 +112,21 @@ class Request:
         return self.params.max_tokens
 
     def append_token(self, token_id: int) -> None:
-        """Adds one sampled token (its K/V is computed in the next step)."""
-        self.token_ids.append(token_id)
+        """Adds one sampled token (its K/V is computed in the next step), or resolves the placeholder."""
+        if self.pending:
+            self.token_ids[-1] = token_id
+            self.pending = False
+        else:
+            self.token_ids.append(token_id)
+
+    def append_placeholder(self) -> None:
+        """Reserves the position of a token sampled on the device and not read back yet."""
+        assert not self.pending
+        self.token_ids.append(PENDING_TOKEN)
+        self.pending = True
+
+    def drop_placeholder(self) -> None:
+        """Forgets an unresolved token (the request ended before it was read back)."""
+        if self.pending:
+            self.token_ids.pop()
+            self.pending = False

@@ -194,8 +194,9 @@ class BlockManager:
                 self._free[block_id] = None
         request.block_ids = []
 
-    def fork(self, parent: Request, child: Request) -> tuple[int, int] | None:
-        """Makes ``child`` share ``parent``'s computed blocks (n>1 samples of one prompt).
+    def fork(self, parent: Request, child: Request, num_tokens: int | None = None) -> tuple[int, int] | None:
+        """Makes ``child`` share ``parent``'s first ``num_tokens`` computed tokens (default: all of
+        them) — the prompt of n>1 samples.
 
         Full blocks are shared by refcount.  A partly filled last block will be written differently by
         each sample, so the child gets a private copy: the returned ``(src, dst)`` pair is a device-side
@@ -203,15 +204,17 @@ class BlockManager:
         Raises ``MemoryError`` if the copy cannot be allocated (the caller recomputes instead).
         """
         assert not child.block_ids
-        num_full = parent.num_computed_tokens // self.block_size
-        partial = parent.num_computed_tokens % self.block_size != 0
+        shared = parent.num_computed_tokens if num_tokens is None else num_tokens
+        assert shared <= parent.num_computed_tokens
+        num_full = shared // self.block_size
+        partial = shared % self.block_size != 0
         if partial and not self._free:
             raise MemoryError("no free block for copy-on-fork")
         for block_id in parent.block_ids[:num_full]:
             self._hold(block_id)
         child.block_ids = list(parent.block_ids[:num_full])
         child.block_hashes = list(parent.block_hashes[:num_full])
-        child.num_computed_tokens = parent.num_computed_tokens
+        child.num_computed_tokens = shared
         if not partial:
             return None
         dst = self._take_free_block()

@@ -8,6 +8,9 @@ front of the queue to be recomputed later (the prefix cache usually makes that c
 requests are admitted only while budget, sequence slots and blocks remain, and never in a step
 that had to preempt, so admission cannot evict work that was already running.
 
+A request whose newest token is still on the device (overlap scheduling) is scheduled as usual:
+that token is its next input, patched in on the device.
+
 With ``n > 1`` only sample 0 (the leader) is queued; it reserves seats for its followers, which join
 ``running`` when the engine forks them after the leader's prompt is computed.
 """
@@ -114,6 +117,9 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
+            if request.pending and request.num_output_tokens >= request.max_tokens:
+                i += 1  # its last token is in flight and ends it: nothing left to compute
+                continue
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             while not bm.allocate(request, num_new):
                 victim = self.running.pop()  # newest first

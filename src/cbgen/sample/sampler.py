@@ -81,6 +81,7 @@ class SamplerOutput:
     topk_ids: torch.Tensor | None = None
     topk_logprobs: torch.Tensor | None = None
     failed: dict[int, str] = field(default_factory=dict)
+    device_token_ids: torch.Tensor | None = None  # token_ids where the logits live (next step's inputs)
 
 
 @dataclass
@@ -242,6 +243,7 @@ class Sampler:
             topk_ids=None if topk_ids is None else topk_ids.cpu(),
             topk_logprobs=None if topk_lp is None else topk_lp.cpu(),
             failed=dict(sorted(failed.items())),
+            device_token_ids=token,
         )
 
     @staticmethod
