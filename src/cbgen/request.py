@@ -9,7 +9,6 @@ from typing import Any
 
 from cbgen.sampling_params import SamplingParams
 
-
 # Stands in ``token_ids`` for a token still on the device; never fed to a model or emitted.
 PENDING_TOKEN = -1
 
