@@ -7,14 +7,17 @@ shaped like Qwen3-0.6B and Qwen3-4B (nothing can be downloaded on the device).
    backend, 64 prompts x 128 tokens.  In bf16, different kernels round differently, so a divergence
    is only accepted where the eager run's top-2 logit gap is a near-tie (< 2e-2 relative); the count
    is reported.  The Triton kernels are compared with the torch reference by relative norm
-   (benchmarks/kernel_check.py, a reduced grid).
+   (benchmarks/kernel_check.py, a reduced grid; it includes the flash_attn kernel when flash-attn is
+   installed).  With flash-attn installed, the same greedy comparison runs for
+   ``attention_backend="flash_attn"`` (``block_size=256``, which flash-attn 2's paged cache needs);
+   without it that run is reported as skipped.
 2. Throughput side by side, nano-vllm's workload: 256 requests, prompt and output lengths uniform in
    100..1024, ignore_eos.  cbgen vs transformers ``generate_batch`` and static ``generate``.
 3. Decode roofline at batch 256: (weight bytes + KV bytes read) per decode step / step time, as a
    fraction of the copy bandwidth measured here.
 
 ``--dry-run`` runs every stage on tiny shapes on the CPU (graphs off, torch backend) to check the
-script's logic without a GPU.
+script's logic without a GPU; the flash_attn run is skipped there.
 
 Usage: ``python benchmarks/gpu_check.py [--dry-run] [--skip-4b] [--out results.json]``
 """
@@ -98,21 +101,11 @@ def workload(n: int, lo: int, hi: int, vocab: int, seed: int = 0) -> tuple[list[
 
 
 # ---------------------------------------------------------------------------- 1. exactness
-def exactness(model, device, num_prompts: int, new_tokens: int, dry: bool) -> dict:
-    from cbgen import LLM, SamplingParams
+FLASH_BLOCK_SIZE = 256  # flash-attn 2 pages KV only in multiples of 256 tokens
 
-    prompts, _ = workload(num_prompts, 16, 256 if not dry else 40, model.config.vocab_size, seed=1)
-    params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
-    fast = LLM(
-        model, max_num_seqs=num_prompts, enforce_eager=None if not dry else False, attention_backend="auto"
-    )
-    got = [o.outputs[0].token_ids for o in fast.generate(prompts, params, use_tqdm=False)]
-    backend = fast.engine.runner.backend
-    graphs = len(fast.engine.runner.static.graphs) if fast.engine.runner.static else 0
-    del fast
-    ref_llm = LLM(model, max_num_seqs=num_prompts, enforce_eager=True, attention_backend="torch")
-    ref = [o.outputs[0].token_ids for o in ref_llm.generate(prompts, params, use_tqdm=False)]
-    del ref_llm
+
+def _divergences(model, device, prompts, got, ref) -> tuple[int, int, int]:
+    """(identical, near-tie divergences, real divergences) of ``got`` against ``ref``."""
     identical = sum(a == b for a, b in zip(got, ref))
     near_ties, real = 0, 0
     for p, a, b in zip(prompts, got, ref):
@@ -127,8 +120,46 @@ def exactness(model, device, num_prompts: int, new_tokens: int, dry: bool) -> di
             near_ties += 1
         else:
             real += 1
-    gc.collect()
-    return {
+    return identical, near_ties, real
+
+
+def flash_skip_reason(model, device, dry: bool) -> str | None:
+    """None when the flash_attn backend can run this model here, else why not."""
+    if dry:
+        return "dry run (flash-attn needs a CUDA GPU)"
+    from cbgen.model import flash_ops
+
+    dtype = next(p.dtype for p in model.parameters() if p.is_floating_point())
+    head_dim = getattr(model.config, "head_dim", None)
+    return flash_ops.unavailable_reason(device, dtype, FLASH_BLOCK_SIZE, head_dim)
+
+
+def exactness(model, device, num_prompts: int, new_tokens: int, dry: bool) -> dict:
+    from cbgen import LLM, SamplingParams
+
+    prompts, _ = workload(num_prompts, 16, 256 if not dry else 40, model.config.vocab_size, seed=1)
+    params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+    fast = LLM(
+        model, max_num_seqs=num_prompts, enforce_eager=None if not dry else False, attention_backend="auto"
+    )
+    got = [o.outputs[0].token_ids for o in fast.generate(prompts, params, use_tqdm=False)]
+    backend = fast.engine.runner.backend
+    graphs = len(fast.engine.runner.static.graphs) if fast.engine.runner.static else 0
+    del fast
+    flash_got, flash_graphs, flash_skip = None, 0, flash_skip_reason(model, device, dry)
+    if flash_skip is None:
+        flash = LLM(
+            model, max_num_seqs=num_prompts, block_size=FLASH_BLOCK_SIZE, attention_backend="flash_attn"
+        )
+        assert flash.engine.runner.backend == "flash_attn"
+        flash_got = [o.outputs[0].token_ids for o in flash.generate(prompts, params, use_tqdm=False)]
+        flash_graphs = len(flash.engine.runner.static.graphs) if flash.engine.runner.static else 0
+        del flash
+    ref_llm = LLM(model, max_num_seqs=num_prompts, enforce_eager=True, attention_backend="torch")
+    ref = [o.outputs[0].token_ids for o in ref_llm.generate(prompts, params, use_tqdm=False)]
+    del ref_llm
+    identical, near_ties, real = _divergences(model, device, prompts, got, ref)
+    result = {
         "prompts": num_prompts,
         "new_tokens": new_tokens,
         "identical": identical,
@@ -137,6 +168,20 @@ def exactness(model, device, num_prompts: int, new_tokens: int, dry: bool) -> di
         "backend": backend,
         "graphs": graphs,
     }
+    if flash_got is None:
+        print(f" flash_attn exactness skipped: {flash_skip}", flush=True)
+        result["flash_attn"] = {"skipped": flash_skip}
+    else:
+        f_identical, f_near, f_real = _divergences(model, device, prompts, flash_got, ref)
+        result["flash_attn"] = {
+            "identical": f_identical,
+            "near_tie_divergences": f_near,
+            "real_divergences": f_real,
+            "graphs": flash_graphs,
+            "block_size": FLASH_BLOCK_SIZE,
+        }
+    gc.collect()
+    return result
 
 
 def kernel_check(dry: bool) -> int:
@@ -350,8 +395,22 @@ def main(argv: list[str] | None = None) -> int:
             f"| {name} | {e['identical']}/{e['near_tie_divergences']}/{e['real_divergences']} of {e['prompts']} "
             f"| {e['graphs']} ({e['backend']}) | {fmt(cb)} | {fmt(hcb)} | {fmt(hg)} | {ratio} | {frac} |"
         )
+    for name in shapes:
+        f = results[name]["exactness"]["flash_attn"]
+        if "skipped" in f:
+            print(f"\nflash_attn ({name}): skipped, {f['skipped']}")
+        else:
+            print(
+                f"\nflash_attn ({name}, block {f['block_size']}): {f['identical']}/{f['near_tie_divergences']}/"
+                f"{f['real_divergences']} exact / near-tie / real divergences of "
+                f"{results[name]['exactness']['prompts']}, {f['graphs']} graphs"
+            )
     print(f"\nkernel check exit code {results['kernels_exit']}; total {results['seconds']:.0f} s")
-    failed = results["kernels_exit"] != 0 or any(results[n]["exactness"]["real_divergences"] for n in shapes)
+    failed = results["kernels_exit"] != 0 or any(
+        results[n]["exactness"]["real_divergences"]
+        or results[n]["exactness"]["flash_attn"].get("real_divergences")
+        for n in shapes
+    )
     return 1 if failed else 0
 
 

@@ -5,10 +5,17 @@ head_dim 128, block 16) over a grid of batch sizes and context lengths, and prin
 of relative error and median times (CUDA events) for both backends.  It also replays the triton
 path inside a CUDA graph once, since the engine captures decode steps.
 
+When flash-attn is installed (and suits the GPU and dtype), the ``flash_attn`` backend's decode
+(:mod:`cbgen.model.flash_ops`) joins the table: the same K/V repacked into pages of
+``--flash-block-size`` tokens (flash-attn 2 pages only in multiples of 256), compared with the same
+reference output (``--flash-tolerance``), and replayed once inside a CUDA graph when the installed
+version can be captured.  Without flash-attn (and always in ``--dry-run``) it is reported as skipped.
+
 ``--dry-run`` runs a few tiny shapes on CPU (through Triton's interpreter when triton is installed,
 otherwise the reference alone) so the script itself can be smoke-tested without a GPU.
 
-Exit status is 1 when any triton result is off by more than ``--tolerance`` (relative norm).
+Exit status is 1 when any triton result is off by more than ``--tolerance`` (relative norm), or a
+flash result by more than ``--flash-tolerance``.
 
 Usage::
 
@@ -48,6 +55,18 @@ def _parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--tolerance", type=float, default=2e-2, help="max relative-norm error vs reference")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--flash-block-size",
+        type=int,
+        default=256,
+        help="page size for the flash_attn backend (multiple of 256)",
+    )
+    parser.add_argument(
+        "--flash-tolerance",
+        type=float,
+        default=1e-2,
+        help="max relative-norm error of flash_attn vs reference",
+    )
     args = parser.parse_args(argv)
     if args.dry_run:
         args.batches, args.lens = [1, 3], [17, 40]
@@ -68,6 +87,8 @@ class Row:
     store_ref_us: float
     store_triton_us: float | None
     store_exact: bool | None
+    attn_flash_ms: float | None = None
+    flash_rel_err: float | None = None
 
 
 def _median_ms(fn: Callable[[], object], device: torch.device, repeats: int, warmup: int) -> float:
@@ -97,7 +118,40 @@ def _rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
     return ((actual - expected).norm() / expected.norm().clamp_min(1e-12)).item()
 
 
-def _run_shape(args: argparse.Namespace, batch: int, ctx: int, device: torch.device, use_triton: bool) -> Row:
+def _repack(
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    table: torch.Tensor,
+    ctx: int,
+    page: int,
+    gen: torch.Generator,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The first ``ctx`` tokens of every row (through ``table``) laid out again in pages of ``page``
+    tokens, in one shuffled page order for K and V; returns ``(k pages, v pages, int32 block table)``."""
+    from cbgen.model import paged_ops
+
+    batch = table.shape[0]
+    pages = -(-ctx // page)
+    order = torch.randperm(batch * pages, generator=gen).to(k_cache.device)
+    out = []
+    for cache in (k_cache, v_cache):
+        rows = paged_ops.gather_kv(cache, table, ctx).transpose(1, 2)  # [B, ctx, Hkv, D]
+        padded = rows.new_zeros(batch * pages, page, *rows.shape[2:])
+        padded.view(batch, pages * page, *rows.shape[2:])[:, :ctx] = rows
+        paged = torch.empty_like(padded)
+        paged[order] = padded
+        out.append(paged)
+    return out[0], out[1], order.view(batch, pages).to(torch.int32)
+
+
+def _run_shape(
+    args: argparse.Namespace,
+    batch: int,
+    ctx: int,
+    device: torch.device,
+    use_triton: bool,
+    use_flash: bool = False,
+) -> Row:
     from cbgen.model import paged_ops, triton_ops
 
     dtype = getattr(torch, args.dtype)
@@ -141,6 +195,19 @@ def _run_shape(args: argparse.Namespace, batch: int, ctx: int, device: torch.dev
         lambda: paged_ops.store_kv(new_k, new_v, store_ref_k, store_ref_v, slots), device, repeats, warmup
     )
     row = Row(batch, ctx, attn_ref_ms, None, None, store_ref_us, None, None)
+    if use_flash:
+        from cbgen.model import flash_ops
+
+        fk, fv, flash_table = _repack(k_cache, v_cache, table, ctx, args.flash_block_size, gen)
+
+        def flash_attn() -> torch.Tensor:
+            return flash_ops.paged_decode_attention(
+                query, fk, fv, flash_table, seq_lens, scale, **attn_kwargs
+            )
+
+        row.flash_rel_err = _rel_err(flash_attn(), expected)
+        row.attn_flash_ms = _median_ms(flash_attn, device, repeats, warmup)
+        del fk, fv
     if not use_triton:
         return row
 
@@ -206,29 +273,81 @@ def _graph_check(args: argparse.Namespace, device: torch.device) -> float:
     return _rel_err(replayed, eager)
 
 
+def _flash_graph_check(args: argparse.Namespace, device: torch.device) -> tuple[float, bool]:
+    """The flash decode captured in a CUDA graph, replayed on new lengths (one padding row) and a new
+    query; returns the relative error against eager flash and whether the padding row is all zeros."""
+    from cbgen.model import flash_ops
+
+    dtype = getattr(torch, args.dtype)
+    batch, page = 8, args.flash_block_size
+    blocks_per_row = -(-1000 // page)
+    num_blocks = batch * blocks_per_row
+    shape = (num_blocks, page, args.num_kv_heads, args.head_dim)
+    k_cache = torch.randn(shape, device=device, dtype=dtype)
+    v_cache = torch.randn(shape, device=device, dtype=dtype)
+    table = torch.randperm(num_blocks, device=device).view(batch, blocks_per_row).to(torch.int32)
+    seq_lens = torch.full((batch,), 1000, dtype=torch.int32, device=device)
+    query = torch.randn(batch, args.num_heads, args.head_dim, device=device, dtype=dtype)
+    scale = args.head_dim**-0.5
+
+    def step() -> torch.Tensor:
+        return flash_ops.paged_decode_attention(
+            query, k_cache, v_cache, table, seq_lens, scale, args.sliding_window, args.softcap
+        )
+
+    step()  # warm-up outside capture
+    torch.cuda.synchronize(device)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        graph_out = step()
+    seq_lens.copy_(torch.tensor([1, 17, 0, 500, 999, 1000, 256, 257], dtype=torch.int32, device=device))
+    query.copy_(torch.randn_like(query))
+    graph.replay()
+    replayed = graph_out.clone()
+    eager = step()
+    torch.cuda.synchronize(device)
+    live = seq_lens > 0
+    zeros_ok = bool((replayed[~live] == 0).all()) and bool((eager[~live] == 0).all())
+    return _rel_err(replayed[live], eager[live]), zeros_ok
+
+
+def _flash_status(args: argparse.Namespace, device: torch.device) -> str | None:
+    """None when the flash backend can be checked here, else why it is skipped."""
+    if args.dry_run:
+        return "dry run (flash-attn needs a CUDA GPU)"
+    from cbgen.model import flash_ops
+
+    return flash_ops.unavailable_reason(
+        device, getattr(torch, args.dtype), args.flash_block_size, args.head_dim
+    )
+
+
 def _fmt(value: float | None, spec: str) -> str:
     return "n/a" if value is None else format(value, spec)
 
 
-def _print_table(rows: list[Row], args: argparse.Namespace, device: torch.device, backend: str) -> None:
+def _print_table(
+    rows: list[Row], args: argparse.Namespace, device: torch.device, backend: str, flash: str = "skipped"
+) -> None:
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     print(
         f"\n### paged decode kernels: {name}, {args.dtype}, H={args.num_heads}, Hkv={args.num_kv_heads}, "
         f"D={args.head_dim}, block={args.block_size}, window={args.sliding_window}, softcap={args.softcap}, "
-        f"triton backend: {backend}\n"
+        f"triton backend: {backend}, flash_attn backend: {flash}\n"
     )
     print(
         "| batch | ctx | attn ref ms | attn triton ms | speedup | attn rel err "
-        "| store ref us | store triton us | store exact |"
+        "| store ref us | store triton us | store exact | attn flash ms | flash rel err |"
     )
-    print("|---:|---:|---:|---:|---:|---:|---:|---:|:---:|")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|:---:|---:|---:|")
     for r in rows:
         speedup = r.attn_ref_ms / r.attn_triton_ms if r.attn_triton_ms else None
         exact = "n/a" if r.store_exact is None else ("yes" if r.store_exact else "NO")
         print(
             f"| {r.batch} | {r.ctx} | {r.attn_ref_ms:.3f} | {_fmt(r.attn_triton_ms, '.3f')} "
             f"| {_fmt(speedup, '.2f')}{'x' if speedup else ''} | {_fmt(r.attn_rel_err, '.2e')} | {r.store_ref_us:.1f} "
-            f"| {_fmt(r.store_triton_us, '.1f')} | {exact} |"
+            f"| {_fmt(r.store_triton_us, '.1f')} | {exact} | {_fmt(r.attn_flash_ms, '.3f')} "
+            f"| {_fmt(r.flash_rel_err, '.2e')} |"
         )
 
 
@@ -252,27 +371,55 @@ def main(argv: list[str] | None = None) -> int:
     backend = ("interpreter" if device.type != "cuda" else "compiled") if use_triton else "unavailable"
     if not use_triton:
         print("triton unavailable: timing the reference only", file=sys.stderr)
+    flash_skip = _flash_status(args, device)
+    use_flash = flash_skip is None
+    if flash_skip is not None:
+        print(f"flash_attn backend skipped: {flash_skip}", file=sys.stderr)
 
     rows = []
     failed = False
     for batch in args.batches:
         for ctx in args.lens:
-            row = _run_shape(args, batch, ctx, device, use_triton)
+            row = _run_shape(args, batch, ctx, device, use_triton, use_flash)
             rows.append(row)
             if row.attn_rel_err is not None and not row.attn_rel_err <= args.tolerance:
                 failed = True
+            if row.flash_rel_err is not None and not row.flash_rel_err <= args.flash_tolerance:
+                failed = True
             if row.store_exact is False:
                 failed = True
-    _print_table(rows, args, device, backend)
+    flash_desc = "skipped"
+    if use_flash:
+        from cbgen.model import flash_ops
+
+        flash_desc = f"flash-attn {flash_ops._FLASH.version}, block {args.flash_block_size}"
+    _print_table(rows, args, device, backend, flash_desc)
 
     if use_triton and device.type == "cuda":
         graph_err = _graph_check(args, device)
         ok = graph_err <= args.tolerance
         failed |= not ok
         print(f"\nCUDA-graph replay vs eager rel err: {graph_err:.2e} ({'ok' if ok else 'FAIL'})")
+    if use_flash:
+        from cbgen.model import flash_ops
+
+        if flash_ops.graph_capturable():
+            flash_err, zeros_ok = _flash_graph_check(args, device)
+            ok = flash_err <= args.flash_tolerance and zeros_ok
+            failed |= not ok
+            print(
+                f"flash_attn CUDA-graph replay vs eager rel err: {flash_err:.2e}, padding row zeros: "
+                f"{'yes' if zeros_ok else 'NO'} ({'ok' if ok else 'FAIL'})"
+            )
+        else:
+            print(
+                f"flash_attn CUDA-graph replay skipped: flash-attn {flash_ops._FLASH.version} syncs with the "
+                "host in paged decode (>= 2.8.4), the engine runs it eagerly"
+            )
     if failed:
         print(
-            f"\nFAIL: a triton result exceeded tolerance {args.tolerance:g} or a store differed",
+            f"\nFAIL: a triton result exceeded tolerance {args.tolerance:g}, a flash_attn result "
+            f"{args.flash_tolerance:g}, or a store differed",
             file=sys.stderr,
         )
         return 1

@@ -28,7 +28,7 @@ from typing import Any
 
 from cbgen.bench.workloads import Workload, build_workload, load_bench_model, model_path, vocab_size_of
 
-ENGINE_NAMES: tuple[str, ...] = ("cbgen", "cbgen-noshare", "hf-generate", "hf-cb", "vllm")
+ENGINE_NAMES: tuple[str, ...] = ("cbgen", "cbgen-compile", "cbgen-noshare", "hf-generate", "hf-cb", "vllm")
 BASELINES: tuple[str, ...] = ("hf-generate", "hf-cb", "vllm", "cbgen-noshare")
 REFERENCE_ENGINE = "hf-generate"
 
@@ -150,7 +150,7 @@ def _cbgen_params(workload: Workload, i: int) -> Any:
     )
 
 
-def _cbgen_llm(model: Any, num_blocks: int, share: bool) -> Any:
+def _cbgen_llm(model: Any, num_blocks: int, share: bool, compile: bool = False) -> Any:
     from cbgen.llm import LLM
 
     return LLM(
@@ -161,6 +161,7 @@ def _cbgen_llm(model: Any, num_blocks: int, share: bool) -> Any:
         block_size=BLOCK_SIZE,
         num_blocks=num_blocks,
         enable_prefix_caching=share,
+        compile=compile,
     )
 
 
@@ -219,10 +220,15 @@ def _cbgen_once(llm: Any, workload: Workload, record_steps: bool) -> tuple[RunRe
     return record, tokens, steps
 
 
-def run_cbgen(model: Any, workload: Workload, opts: BenchOptions, share: bool = True) -> EngineResult:
+def run_cbgen(
+    model: Any, workload: Workload, opts: BenchOptions, share: bool = True, compile: bool = False
+) -> EngineResult:
     """cbgen through its engine API; ``share=False`` is ``cbgen-noshare``: the ``n`` samples become
-    independent requests and prefix caching is off."""
-    name = "cbgen" if share else "cbgen-noshare"
+    independent requests and prefix caching is off.  ``compile=True`` is ``cbgen-compile``: decode
+    steps run through ``torch.compile``; its warm-up is one untimed pass over the whole workload, so
+    every batch bucket the timed runs use is compiled before the clock starts (as vLLM compiles at
+    start-up)."""
+    name = "cbgen-compile" if compile else "cbgen" if share else "cbgen-noshare"
     wl = workload if share else workload.expanded()
     num_blocks = kv_blocks_needed(wl)
     result = EngineResult(
@@ -235,21 +241,31 @@ def run_cbgen(model: Any, workload: Workload, opts: BenchOptions, share: bool = 
             "num_blocks": num_blocks,
             "enable_prefix_caching": share,
             "n_as_independent_requests": not share and workload.n > 1,
+            "compile": compile,
         },
     )
     device = _model_device(model)
     from cbgen.sampling_params import SamplingParams
 
-    warm = _cbgen_llm(model, 64, share)
-    warm.generate(
-        _warmup_prompts(vocab_size_of(model)), SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False
-    )
-    del warm
+    if compile:
+        t0 = time.perf_counter()
+        _cbgen_once(_cbgen_llm(model, num_blocks, share, compile=True), wl, False)
+        result.notes.append(
+            f"warm-up pass (torch.compile of the decode buckets): {time.perf_counter() - t0:.1f} s"
+        )
+    else:
+        warm = _cbgen_llm(model, 64, share)
+        warm.generate(
+            _warmup_prompts(vocab_size_of(model)),
+            SamplingParams(max_tokens=4, ignore_eos=True),
+            use_tqdm=False,
+        )
+        del warm
     tokens = None
     _reset_peak(device)
     for rep in range(opts.repeats):
         # A fresh engine per run: a prefix cache left warm by the previous run would flatter cbgen.
-        llm = _cbgen_llm(model, num_blocks, share)
+        llm = _cbgen_llm(model, num_blocks, share, compile=compile)
         record, tokens, steps = _cbgen_once(llm, wl, opts.profile and rep == opts.repeats - 1)
         result.runs.append(record)
         if steps is not None:
@@ -610,6 +626,8 @@ def run_engine(
     try:
         if engine == "cbgen":
             return run_cbgen(model, workload, opts, share=True)
+        if engine == "cbgen-compile":
+            return run_cbgen(model, workload, opts, compile=True)
         if engine == "cbgen-noshare":
             return run_cbgen(model, workload, opts, share=False)
         if engine == "hf-generate":

@@ -19,6 +19,7 @@ from cbgen.bench.workloads import Workload
 ENGINE_COLORS = {
     "cbgen": "#1f77b4",
     "cbgen-noshare": "#aec7e8",
+    "cbgen-compile": "#17becf",
     "hf-generate": "#ff7f0e",
     "hf-cb": "#2ca02c",
     "vllm": "#9467bd",
@@ -273,13 +274,14 @@ def summarize(
                 "checked": bool(wl.greedy and reference is not None and reference.error is None),
             },
         }
-        cb = rows.get("cbgen")
-        for base in BASELINES:
-            other = rows.get(base)
-            if cb and other and cb.get("output_tok_s") and other.get("output_tok_s"):
-                entry["ratios"][f"cbgen/{base}"] = (
-                    cb["output_tok_s"]["median"] / other["output_tok_s"]["median"]
-                )
+        for variant in ("cbgen", "cbgen-compile"):
+            cb = rows.get(variant)
+            for base in BASELINES:
+                other = rows.get(base)
+                if cb and other and cb.get("output_tok_s") and other.get("output_tok_s"):
+                    entry["ratios"][f"{variant}/{base}"] = (
+                        cb["output_tok_s"]["median"] / other["output_tok_s"]["median"]
+                    )
         if wl.greedy and "cbgen" in rows and reference is None:
             entry["correctness"]["note"] = f"not checked: {REFERENCE_ENGINE} was not run"
         for row in rows.values():

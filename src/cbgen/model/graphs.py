@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
+from cbgen.model import paged_ops
 from cbgen.model.attention import AttentionMetadata
 from cbgen.model.input_batch import ModelInput
 
@@ -154,7 +155,9 @@ class StaticDecodeRunner:
             decode_max_len=key.width * self.block_size,
             prefills=[],
             decode_fn=self.decode_fn,
-            store_fn=self.store_fn,
+            # Padding rows of the torch store write to the scratch block, so no slot is -1 and the
+            # filtering (a host sync that a capture cannot contain) is skipped.
+            store_fn=self.store_fn or paged_ops.store_kv_all_slots,
         )
 
     def _run_forward(self, key: GraphKey) -> torch.Tensor:

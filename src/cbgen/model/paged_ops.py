@@ -19,11 +19,23 @@ def store_kv(
     slot_mapping: torch.Tensor,
 ) -> None:
     """Writes ``key``/``value`` ``[T, Hkv, D]`` into the paged caches at ``slot_mapping[T]``."""
-    flat_k = k_cache.view(-1, k_cache.shape[-2], k_cache.shape[-1])
-    flat_v = v_cache.view(-1, v_cache.shape[-2], v_cache.shape[-1])
     if slot_mapping.numel() and bool((slot_mapping < 0).any()):
         keep = slot_mapping >= 0
         key, value, slot_mapping = key[keep], value[keep], slot_mapping[keep]
+    store_kv_all_slots(key, value, k_cache, v_cache, slot_mapping)
+
+
+def store_kv_all_slots(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """:func:`store_kv` for slot mappings without ``-1``: no data-dependent filtering, so no host
+    sync, which is what a CUDA-graph capture needs (its padding rows write to a scratch block)."""
+    flat_k = k_cache.view(-1, k_cache.shape[-2], k_cache.shape[-1])
+    flat_v = v_cache.view(-1, v_cache.shape[-2], v_cache.shape[-1])
     flat_k.index_copy_(0, slot_mapping, key.to(flat_k.dtype))
     flat_v.index_copy_(0, slot_mapping, value.to(flat_v.dtype))
 

@@ -8,6 +8,7 @@ mode; both are restored in ``finally`` blocks, so the module the trainer sees ne
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Iterator
 
 import torch
@@ -31,12 +32,41 @@ def _attention_configs(model: torch.nn.Module) -> list:
     return list(configs.values())
 
 
-def choose_backend(requested: str, device: torch.device, dtype: torch.dtype = torch.float32) -> str:
+def choose_backend(
+    requested: str,
+    device: torch.device,
+    dtype: torch.dtype = torch.float32,
+    *,
+    block_size: int | None = None,
+    head_dim: int | None = None,
+) -> str:
     """Resolves ``attention_backend``.
 
-    ``auto`` picks ``triton`` on CUDA when Triton is installed, ``cpu`` (the C kernels of
-    :mod:`cbgen.model.cpu_kernels`) on CPU when they build here and handle ``dtype``, else ``torch``.
+    ``auto`` picks, on CUDA, ``flash_attn`` when flash-attn is installed and suits the engine (fp16/bf16,
+    sm80+, ``block_size`` a multiple of 256, ``head_dim`` <= 256, a version whose decode CUDA graphs
+    capture), else ``triton`` when Triton is installed; on CPU ``cpu`` (the C kernels of
+    :mod:`cbgen.model.cpu_kernels`) when they build here and handle ``dtype``; else ``torch``.
+    ``auto`` only considers flash-attn when ``block_size`` and ``head_dim`` are given.  An explicit
+    ``flash_attn`` that cannot work raises ``ValueError`` with the reason (unknown sizes are checked
+    again by :class:`ModelRunner` against the KV cache).
     """
+    if requested == "auto" and device.type == "cuda" and block_size is not None and head_dim is not None:
+        from cbgen.model import flash_ops
+
+        if flash_ops.HAS_FLASH_ATTN:
+            reason = flash_ops.unavailable_reason(device, dtype, block_size, head_dim)
+            if reason is None and not flash_ops.graph_capturable():
+                reason = "this flash-attn version cannot be captured in CUDA graphs (>= 2.8.4)"
+            if reason is None:
+                return "flash_attn"
+            flash_ops.log.info("cbgen: flash-attn installed but not used: %s", reason)
+    if requested == "flash_attn":
+        from cbgen.model import flash_ops
+
+        reason = flash_ops.unavailable_reason(device, dtype, block_size, head_dim)
+        if reason is not None:
+            raise ValueError(f"attention_backend='flash_attn' cannot be used: {reason}")
+        return "flash_attn"
     if requested in ("auto", "triton"):
         from cbgen.model import triton_ops
 
@@ -58,10 +88,6 @@ def choose_backend(requested: str, device: torch.device, dtype: torch.dtype = to
             f"attention_backend='cpu' needs a CPU device, a float32/bfloat16 model and a C compiler "
             f"(device {device}, dtype {dtype}; {_cpu_reason()})"
         )
-    if requested == "flash_attn":
-        raise ValueError(
-            "attention_backend='flash_attn' is not supported yet; use 'auto', 'torch' or 'triton'"
-        )
     return "torch"
 
 
@@ -69,6 +95,33 @@ def _cpu_reason() -> str:
     from cbgen.model import cpu_kernels
 
     return cpu_kernels.unavailable_reason() or "kernels not built"
+
+
+def model_forward(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    positions: torch.Tensor,
+    rows: torch.Tensor,
+    meta: attention.AttentionMetadata,
+) -> torch.Tensor:
+    """The packed forward: logits ``[R, V]`` for ``rows`` of the batch, attention through ``meta``."""
+    out = model(
+        input_ids=input_ids[None],
+        position_ids=positions[None],
+        use_cache=False,
+        logits_to_keep=rows,
+        cbgen_meta=meta,
+    )
+    return out.logits[0]
+
+
+# Batch buckets (up to ~20) times the models a process serves.
+_COMPILE_LIMIT = 64
+
+
+@functools.cache
+def _compiled_model_forward():
+    return torch.compile(model_forward, dynamic=False)
 
 
 class ModelRunner:
@@ -108,6 +161,14 @@ class ModelRunner:
 
             self.decode_fn = cpu_kernels.paged_decode_attention
             self.store_fn = cpu_kernels.store_kv
+        elif backend == "flash_attn":
+            from cbgen.model import flash_ops
+
+            flash_ops.check_geometry(kv_cache.block_size, kv_cache.geometry.head_dim)
+            self.decode_fn = flash_ops.paged_decode_attention
+            self.store_fn = flash_ops.store_kv_for(device)
+            if device.type == "cuda" and not enforce_eager and not flash_ops.cuda_graphs_ok(device):
+                enforce_eager = True  # eager decode steps (the reason is logged)
         use_graphs = device.type == "cuda" and not enforce_eager
         use_static = use_graphs or compile or enforce_eager is False
         self.compiled = compile
@@ -115,7 +176,7 @@ class ModelRunner:
         if use_static:
             forward = self._forward
             if compile:
-                forward = torch.compile(self._forward, dynamic=False)
+                forward = self._compiled_forward
             dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
             self.static = StaticDecodeRunner(
                 forward=forward,
@@ -139,14 +200,20 @@ class ModelRunner:
         rows: torch.Tensor,
         meta: attention.AttentionMetadata,
     ) -> torch.Tensor:
-        out = self.model(
-            input_ids=input_ids[None],
-            position_ids=positions[None],
-            use_cache=False,
-            logits_to_keep=rows,
-            cbgen_meta=meta,
-        )
-        return out.logits[0]
+        return model_forward(self.model, input_ids, positions, rows, meta)
+
+    def _compiled_forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        rows: torch.Tensor,
+        meta: attention.AttentionMetadata,
+    ) -> torch.Tensor:
+        # One compiled function per process, with the model as an argument: every engine built on
+        # the same model (a new LLM per RL round or benchmark run) reuses the compiled buckets.
+        # Each batch bucket is its own static-shape graph, hence the raised recompile limit.
+        with torch._dynamo.config.patch(recompile_limit=_COMPILE_LIMIT):
+            return _compiled_model_forward()(self.model, input_ids, positions, rows, meta)
 
     def warmup(self) -> None:
         """Captures the decode CUDA graphs (largest bucket first) before the first request."""

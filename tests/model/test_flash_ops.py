@@ -1,0 +1,380 @@
+"""The flash_attn backend, on CPU, against a fake ``flash_attn`` written from flash-attn 2's documented
+semantics (flash-attn itself needs a GPU; the real kernel is checked by benchmarks/kernel_check.py).
+
+The fake checks the argument contract of the real ``flash_attn_with_kvcache`` (shapes, int32 metadata,
+strides, page-size multiple) and computes what its docstring specifies: paged gather through
+``block_table``, ``cache_seqlens``, bottom-right-aligned causal mask, ``window_size``, ``softcap``,
+``softmax_scale``, zeros for rows whose mask is empty.  Only the first ``cdiv(len, page)`` entries of
+a block-table row are dereferenced, as in the kernel, so poisoned tails stay untouched.
+"""
+
+from __future__ import annotations
+
+import sys
+import types
+
+import pytest
+import torch
+from paged_cases import LENS, assert_close, make_case
+
+from cbgen.model import flash_ops, paged_ops
+from cbgen.model.runner import choose_backend
+
+
+class FakeFlash:
+    """``flash_attn_with_kvcache`` in plain torch; records the arguments of every call."""
+
+    def __init__(self, page_multiple: int = 256) -> None:
+        self.page_multiple = page_multiple
+        self.calls: list[dict] = []
+
+    def __call__(
+        self,
+        q,
+        k_cache,
+        v_cache,
+        k=None,
+        v=None,
+        rotary_cos=None,
+        rotary_sin=None,
+        cache_seqlens=None,
+        cache_batch_idx=None,
+        cache_leftpad=None,
+        block_table=None,
+        softmax_scale=None,
+        causal=False,
+        window_size=(-1, -1),
+        softcap=0.0,
+        rotary_interleaved=True,
+        alibi_slopes=None,
+        num_splits=0,
+        return_softmax_lse=False,
+    ):
+        self.calls.append(
+            dict(
+                q=q,
+                k_cache=k_cache,
+                cache_seqlens=cache_seqlens,
+                block_table=block_table,
+                softmax_scale=softmax_scale,
+                causal=causal,
+                window_size=window_size,
+                softcap=softcap,
+                extra=(k, v, rotary_cos, cache_batch_idx, cache_leftpad, alibi_slopes),
+            )
+        )
+        # The real function's checks (flash_attn_interface.py asserts, flash_api.cpp TORCH_CHECKs).
+        assert k is None and v is None and cache_batch_idx is None and cache_leftpad is None
+        assert k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
+        assert q.dim() == 4 and q.stride(-1) == 1
+        assert q.dtype == k_cache.dtype == v_cache.dtype
+        batch, seqlen_q, num_heads, head_dim = q.shape
+        _, page, num_kv_heads, cache_dim = k_cache.shape
+        assert v_cache.shape == k_cache.shape and cache_dim == head_dim
+        assert page % self.page_multiple == 0, "Paged KV cache block size must be divisible by 256"
+        assert num_heads % num_kv_heads == 0
+        assert block_table.dtype == torch.int32 and block_table.stride(-1) == 1
+        assert block_table.shape[0] == batch
+        assert isinstance(cache_seqlens, torch.Tensor)
+        assert cache_seqlens.dtype == torch.int32 and cache_seqlens.is_contiguous()
+        assert cache_seqlens.shape == (batch,)
+        assert isinstance(window_size, tuple) and len(window_size) == 2
+        assert all(isinstance(w, int) for w in window_size)
+        assert isinstance(softmax_scale, float) and isinstance(softcap, float)
+
+        left, right = window_size
+        if causal:
+            right = 0
+        group = num_heads // num_kv_heads
+        out = torch.zeros(batch, seqlen_q, num_heads, head_dim, dtype=torch.float32)
+        for b in range(batch):
+            n = int(cache_seqlens[b])
+            if n == 0:
+                continue
+            used = block_table[b, : -(-n // page)].long()
+            keys = k_cache[used].reshape(-1, num_kv_heads, head_dim)[:n].float()
+            values = v_cache[used].reshape(-1, num_kv_heads, head_dim)[:n].float()
+            keys = keys.repeat_interleave(group, dim=1).transpose(0, 1)  # [H, n, D]
+            values = values.repeat_interleave(group, dim=1).transpose(0, 1)
+            scores = q[b].float().transpose(0, 1) @ keys.transpose(1, 2) * softmax_scale  # [H, sq, n]
+            if softcap > 0:
+                scores = softcap * torch.tanh(scores / softcap)
+            # Query i sits at i + n - seqlen_q (bottom-right alignment); it sees keys in
+            # [pos - left, pos + right], -1 meaning unbounded.
+            pos = torch.arange(seqlen_q)[:, None] + n - seqlen_q
+            j = torch.arange(n)[None, :]
+            visible = torch.ones(seqlen_q, n, dtype=torch.bool)
+            if left >= 0:
+                visible &= j >= pos - left
+            if right >= 0:
+                visible &= j <= pos + right
+            scores = scores.masked_fill(~visible, float("-inf"))
+            probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # an empty row gives zeros
+            out[b] = (probs @ values).transpose(0, 1)
+        return out.to(q.dtype)
+
+
+@pytest.fixture
+def fake_flash(monkeypatch):
+    """Installs the fake as ``flash_attn`` (version 2.8.3) and re-probes flash_ops."""
+
+    def install(page_multiple: int = 256, version: str = "2.8.3") -> FakeFlash:
+        fake = FakeFlash(page_multiple)
+        module = types.ModuleType("flash_attn")
+        module.__version__ = version
+        module.flash_attn_with_kvcache = fake
+        monkeypatch.setitem(sys.modules, "flash_attn", module)
+        state = flash_ops._probe()
+        monkeypatch.setattr(flash_ops, "_FLASH", state)
+        monkeypatch.setattr(flash_ops, "HAS_FLASH_ATTN", state.fn is not None)
+        monkeypatch.setattr(flash_ops, "PAGE_BLOCK_MULTIPLE", page_multiple)
+        return fake
+
+    return install
+
+
+def _check_decode(
+    fake: FakeFlash,
+    lens: list[int],
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    block_size: int,
+    dtype: torch.dtype,
+    seed: int = 0,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+) -> None:
+    query, k_cache, v_cache, table, clean, seq_lens = make_case(
+        seed, lens, num_heads, num_kv_heads, head_dim, block_size, dtype
+    )
+    scale = head_dim**-0.5
+    out = flash_ops.paged_decode_attention(
+        query, k_cache, v_cache, table, seq_lens, scale, sliding_window, softcap, max_seq_len=max(lens)
+    )
+    expected = paged_ops.paged_decode_attention(
+        query, k_cache, v_cache, clean, seq_lens, scale, sliding_window, softcap
+    )
+    assert out.shape == query.shape and out.dtype == dtype
+    live = seq_lens > 0
+    assert_close(out[live], expected[live], dtype)
+    # Padding rows (seq_len 0) come out as exact zeros, like the triton kernel's.
+    assert torch.equal(out[~live], torch.zeros_like(out[~live]))
+
+    call = fake.calls[-1]
+    assert call["q"].shape == (len(lens), 1, num_heads, head_dim)
+    assert call["causal"] is True
+    assert call["window_size"] == ((-1, -1) if sliding_window is None else (sliding_window - 1, 0))
+    assert call["softcap"] == (0.0 if softcap is None else softcap)
+    assert call["softmax_scale"] == scale
+    assert call["k_cache"] is k_cache  # read in place, no copy or relayout
+    assert torch.equal(call["cache_seqlens"], seq_lens) and torch.equal(call["block_table"], table)
+
+
+def test_module_imports_without_flash_attn() -> None:
+    """flash-attn cannot be installed here: the module imports and says so."""
+    if "flash_attn" in sys.modules:
+        pytest.skip("a flash_attn module is importable here")
+    assert not flash_ops.HAS_FLASH_ATTN
+    assert not flash_ops.graph_capturable()
+    query, k_cache, v_cache, table, _, seq_lens = make_case(0, [3], 2, 1, 8, 8, torch.float32)
+    with pytest.raises(RuntimeError, match="flash-attn"):
+        flash_ops.paged_decode_attention(query, k_cache, v_cache, table, seq_lens, 1.0)
+    reason = flash_ops.unavailable_reason(torch.device("cuda"), torch.bfloat16, 256, 128)
+    assert reason is not None and "not usable" in reason
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(
+    ("num_heads", "num_kv_heads", "head_dim"),
+    [(4, 4, 32), (8, 2, 64), (6, 1, 24)],  # MHA, GQA, MQA with a non-power-of-two head size
+)
+def test_decode_matches_reference(fake_flash, dtype, num_heads, num_kv_heads, head_dim) -> None:
+    fake = fake_flash(page_multiple=8)
+    _check_decode(fake, LENS, num_heads, num_kv_heads, head_dim, 8, dtype, seed=num_heads + head_dim)
+
+
+@pytest.mark.parametrize("block_size", [8, 16, 32])
+@pytest.mark.parametrize("sliding_window", [None, 1, 5, 16, 64, 1000])
+def test_sliding_window_maps_to_left_edge(fake_flash, block_size, sliding_window) -> None:
+    fake = fake_flash(page_multiple=8)
+    _check_decode(fake, LENS, 8, 2, 32, block_size, torch.float32, sliding_window=sliding_window)
+
+
+@pytest.mark.parametrize("softcap", [5.0, 50.0])
+@pytest.mark.parametrize("sliding_window", [None, 24])
+def test_softcap(fake_flash, softcap, sliding_window) -> None:
+    fake = fake_flash(page_multiple=8)
+    _check_decode(
+        fake, LENS, 4, 2, 16, 16, torch.bfloat16, seed=3, sliding_window=sliding_window, softcap=softcap
+    )
+
+
+def test_real_page_size_256(fake_flash) -> None:
+    """flash-attn 2's only paged block sizes are multiples of 256: lengths crossing a page."""
+    fake = fake_flash()  # the real constraint
+    _check_decode(fake, [1, 255, 256, 257, 0, 600], 8, 2, 64, 256, torch.bfloat16, sliding_window=300)
+    with pytest.raises(AssertionError, match="256"):
+        _check_decode(fake, [5], 8, 2, 64, 16, torch.bfloat16)
+
+
+def test_metadata_is_cast_and_query_views_are_accepted(fake_flash) -> None:
+    """int64 metadata is cast to int32 for flash; a strided query view (as attention passes it) is fine;
+    a query in another dtype than the cache is cast to it and the result cast back."""
+    fake = fake_flash(page_multiple=8)
+    query, k_cache, v_cache, table, clean, seq_lens = make_case(5, LENS, 8, 2, 32, 8, torch.bfloat16)
+    # A row-strided view, as q[:num_decode] of the packed [T, H, D] batch can be.
+    packed = torch.randn(len(LENS), 2, 8, 32).to(torch.bfloat16)
+    packed[:, 0] = query
+    view = packed[:, 0]
+    assert not view.is_contiguous()
+    out = flash_ops.paged_decode_attention(view, k_cache, v_cache, table.long(), seq_lens.long(), 0.2)
+    call = fake.calls[-1]
+    assert call["cache_seqlens"].dtype == torch.int32 and call["block_table"].dtype == torch.int32
+    expected = paged_ops.paged_decode_attention(query, k_cache, v_cache, clean, seq_lens, 0.2)
+    live = seq_lens > 0
+    assert_close(out[live], expected[live], torch.bfloat16)
+
+    out32 = flash_ops.paged_decode_attention(query.float(), k_cache, v_cache, table, seq_lens, 0.2)
+    assert out32.dtype == torch.float32 and fake.calls[-1]["q"].dtype == torch.bfloat16
+    assert torch.equal(out32, out.float())
+
+    empty = flash_ops.paged_decode_attention(query[:0], k_cache, v_cache, table[:0], seq_lens[:0], 0.2)
+    assert empty.shape == (0, 8, 32)
+
+
+def test_int32_metadata_is_passed_through(fake_flash) -> None:
+    """The engine's int32 buffers reach flash as the same tensors (nothing to launch under a graph)."""
+    fake = fake_flash(page_multiple=8)
+    query, k_cache, v_cache, table, _, seq_lens = make_case(1, [4, 9], 4, 2, 16, 8, torch.float16)
+    flash_ops.paged_decode_attention(query, k_cache, v_cache, table, seq_lens, 0.25)
+    call = fake.calls[-1]
+    assert call["cache_seqlens"] is seq_lens and call["block_table"] is table
+
+
+def test_window_mapping_examples() -> None:
+    assert flash_ops._window(None) == (-1, -1)
+    assert flash_ops._window(1) == (0, 0)  # only the newest token
+    assert flash_ops._window(4096) == (4095, 0)
+    with pytest.raises(ValueError):
+        flash_ops._window(0)
+
+
+def test_versions(fake_flash) -> None:
+    fake_flash(version="2.8.3.post1+cu12torch2.7cxx11abiTRUE")
+    assert flash_ops.HAS_FLASH_ATTN and flash_ops.graph_capturable()
+    fake_flash(version="2.8.4")  # main after flash-attn PR #2711: .item() in paged fwd_kvcache
+    assert flash_ops.HAS_FLASH_ATTN and not flash_ops.graph_capturable()
+    fake_flash(version="2.5.9")  # no softcap argument yet
+    assert not flash_ops.HAS_FLASH_ATTN
+    assert "2.5.9" in flash_ops.unavailable_reason(torch.device("cuda"), torch.bfloat16)
+
+
+# ------------------------------------------------------------------------------------------------
+# Backend choice and wiring
+# ------------------------------------------------------------------------------------------------
+
+
+def test_explicit_flash_without_flash_attn_raises() -> None:
+    if "flash_attn" in sys.modules:
+        pytest.skip("a flash_attn module is importable here")
+    for device in (torch.device("cpu"), torch.device("cuda")):
+        with pytest.raises(ValueError, match=r"flash_attn.*not usable"):
+            choose_backend("flash_attn", device, torch.bfloat16, block_size=256, head_dim=128)
+
+
+def test_auto_on_cpu_is_unchanged(fake_flash) -> None:
+    cpu = torch.device("cpu")
+    before = choose_backend("auto", cpu, torch.bfloat16)
+    fake_flash()
+    assert before in ("cpu", "torch")
+    assert choose_backend("auto", cpu, torch.bfloat16, block_size=256, head_dim=64) == before
+    assert choose_backend("auto", cpu, torch.float16) == "torch"
+    with pytest.raises(ValueError, match="CUDA device"):
+        choose_backend("flash_attn", cpu, torch.bfloat16, block_size=256, head_dim=64)
+
+
+def test_choice_on_cuda(fake_flash, monkeypatch) -> None:
+    """With a (fake) sm90 GPU: auto prefers flash only when everything suits it, explicit requests
+    that cannot work raise with the reason."""
+    from cbgen.model import triton_ops
+
+    fake_flash()
+    monkeypatch.setattr(flash_ops, "_compute_capability", lambda device: (9, 0))
+    monkeypatch.setattr(triton_ops, "HAS_TRITON", True)
+    cuda, bf16 = torch.device("cuda"), torch.bfloat16
+
+    assert choose_backend("auto", cuda, bf16, block_size=256, head_dim=128) == "flash_attn"
+    assert choose_backend("auto", cuda, torch.float16, block_size=512, head_dim=64) == "flash_attn"
+    # Anything unsuitable falls back to triton.
+    assert choose_backend("auto", cuda, bf16, block_size=16, head_dim=128) == "triton"
+    assert choose_backend("auto", cuda, torch.float32, block_size=256, head_dim=128) == "triton"
+    assert choose_backend("auto", cuda, bf16, block_size=256, head_dim=512) == "triton"
+    assert choose_backend("auto", cuda, bf16, block_size=256, head_dim=100) == "triton"
+    assert choose_backend("auto", cuda, bf16) == "triton"  # sizes unknown: not considered
+    monkeypatch.setattr(triton_ops, "HAS_TRITON", False)
+    assert choose_backend("auto", cuda, bf16, block_size=16, head_dim=128) == "torch"
+    monkeypatch.setattr(triton_ops, "HAS_TRITON", True)
+
+    assert choose_backend("flash_attn", cuda, bf16, block_size=256, head_dim=128) == "flash_attn"
+    assert choose_backend("flash_attn", cuda, bf16) == "flash_attn"  # the runner checks the cache
+    with pytest.raises(ValueError, match=r"multiple of 256.*16"):
+        choose_backend("flash_attn", cuda, bf16, block_size=16, head_dim=128)
+    with pytest.raises(ValueError, match="float16 or bfloat16"):
+        choose_backend("flash_attn", cuda, torch.float32, block_size=256)
+    with pytest.raises(ValueError, match="head_dim"):
+        choose_backend("flash_attn", cuda, bf16, block_size=256, head_dim=320)
+
+    monkeypatch.setattr(flash_ops, "_compute_capability", lambda device: (7, 5))
+    with pytest.raises(ValueError, match="sm80"):
+        choose_backend("flash_attn", cuda, bf16, block_size=256, head_dim=128)
+    assert choose_backend("auto", cuda, bf16, block_size=256, head_dim=128) == "triton"
+    monkeypatch.setattr(flash_ops, "_compute_capability", lambda device: (8, 0))
+
+    # A flash-attn whose paged decode syncs with the host: never picked by auto (graphs would break).
+    fake_flash(version="2.8.4")
+    monkeypatch.setattr(flash_ops, "_compute_capability", lambda device: (8, 0))
+    assert choose_backend("auto", cuda, bf16, block_size=256, head_dim=128) == "triton"
+    assert choose_backend("flash_attn", cuda, bf16, block_size=256, head_dim=128) == "flash_attn"
+
+
+def test_runner_checks_cache_geometry(fake_flash, monkeypatch) -> None:
+    """An explicit request whose sizes choose_backend did not see is checked against the KV cache."""
+    from cbgen import LLM
+    from tiny_models import make_model
+
+    fake_flash()
+    monkeypatch.setattr(
+        flash_ops, "unavailable_reason", lambda device, dtype, block_size=None, head_dim=None: None
+    )
+    with pytest.raises(ValueError, match="multiple of 256"):
+        LLM(make_model("llama"), block_size=8, attention_backend="flash_attn")
+
+
+@pytest.mark.parametrize(("arch", "enforce_eager"), [("llama", True), ("gemma2", False)])
+def test_engine_with_fake_flash_matches_torch(fake_flash, monkeypatch, arch, enforce_eager) -> None:
+    """End to end through attention.py with the fake standing in for flash on CPU: same greedy tokens
+    as the torch backend.  gemma2 brings a sliding window and soft-capping; ``enforce_eager=False``
+    runs the padded fixed-shape decode path (padding rows: slot -1, seq_len 0)."""
+    from cbgen import LLM, SamplingParams
+    from tiny_models import make_model, make_prompts
+
+    fake = fake_flash(page_multiple=8)
+    # CPU stands in for CUDA: skip the device checks, keep the geometry checks.
+    monkeypatch.setattr(
+        flash_ops, "unavailable_reason", lambda device, dtype, block_size=None, head_dim=None: None
+    )
+    model = make_model(arch)
+    prompts = make_prompts(5, lengths=(3, 40))
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    runs = {}
+    for backend in ("flash_attn", "torch"):
+        llm = LLM(model, block_size=8, attention_backend=backend, enforce_eager=enforce_eager, max_num_seqs=8)
+        runner = llm.engine.runner
+        assert runner.backend == backend
+        if backend == "flash_attn":
+            assert runner.decode_fn is flash_ops.paged_decode_attention
+            assert (runner.static is None) == enforce_eager
+        runs[backend] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert fake.calls, "decode never reached flash_attn_with_kvcache"
+    assert runs["flash_attn"] == runs["torch"]
