@@ -53,3 +53,37 @@ def make_case(
 # 70 crosses the 64-token tile used for head_dim <= 64, so the online-softmax rescale is exercised;
 # 0 is a padding row.
 LENS = [1, 7, 16, 0, 17, 40, 70]
+
+
+def check_decode(
+    kernel,
+    lens: list[int],
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    block_size: int,
+    dtype: torch.dtype,
+    seed: int = 0,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    **kernel_kwargs,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, float]:
+    """Runs a paged-decode ``kernel`` (``paged_ops.paged_decode_attention``'s signature) on a random
+    case with a poisoned block-table tail and compares it with the float32 torch reference; padding
+    rows must come out as exact zeros.  Returns ``(k_cache, block_table, seq_lens, scale)`` as passed
+    to the kernel, for further checks."""
+    from cbgen.model import paged_ops
+
+    query, k_cache, v_cache, table, clean, seq_lens = make_case(
+        seed, lens, num_heads, num_kv_heads, head_dim, block_size, dtype
+    )
+    scale = head_dim**-0.5
+    out = kernel(query, k_cache, v_cache, table, seq_lens, scale, sliding_window, softcap, **kernel_kwargs)
+    expected = paged_ops.paged_decode_attention(
+        query.float(), k_cache.float(), v_cache.float(), clean, seq_lens, scale, sliding_window, softcap
+    )
+    assert out.shape == query.shape and out.dtype == dtype
+    live = seq_lens > 0
+    assert_close(out[live].float(), expected[live], dtype)
+    assert torch.equal(out[~live], torch.zeros_like(out[~live]))
+    return k_cache, table, seq_lens, scale

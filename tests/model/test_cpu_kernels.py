@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from paged_cases import LENS, NUM_BLOCKS, assert_close, make_case
+from paged_cases import LENS, NUM_BLOCKS, check_decode, make_case
 
 from cbgen import LLM, SamplingParams
 from cbgen.model import cpu_kernels, paged_ops
@@ -18,21 +18,8 @@ pytestmark = pytest.mark.skipif(
 MANY_LENS = [(i * 37) % 150 + 1 for i in range(40)]
 
 
-def _check_decode(
-    lens, num_heads, num_kv_heads, head_dim, block_size, dtype, seed=0, window=None, softcap=None
-):
-    query, k_cache, v_cache, table, clean, seq_lens = make_case(
-        seed, lens, num_heads, num_kv_heads, head_dim, block_size, dtype
-    )
-    scale = head_dim**-0.5
-    out = cpu_kernels.paged_decode_attention(query, k_cache, v_cache, table, seq_lens, scale, window, softcap)
-    expected = paged_ops.paged_decode_attention(
-        query.float(), k_cache.float(), v_cache.float(), clean, seq_lens, scale, window, softcap
-    )
-    assert out.shape == query.shape and out.dtype == dtype
-    live = seq_lens > 0
-    assert_close(out[live].float(), expected[live], dtype)
-    assert torch.equal(out[~live], torch.zeros_like(out[~live]))
+def _check_decode(*args, window=None, **kwargs) -> None:
+    check_decode(cpu_kernels.paged_decode_attention, *args, sliding_window=window, **kwargs)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -15,38 +15,13 @@ import pytest
 pytest.importorskip("triton")
 
 import torch
-from paged_cases import LENS, NUM_BLOCKS, assert_close, make_case
+from paged_cases import LENS, NUM_BLOCKS, check_decode, make_case
 
 from cbgen.model import paged_ops, triton_ops
 
 
-def _check_decode(
-    lens: list[int],
-    num_heads: int,
-    num_kv_heads: int,
-    head_dim: int,
-    block_size: int,
-    dtype: torch.dtype,
-    seed: int = 0,
-    sliding_window: int | None = None,
-    softcap: float | None = None,
-    num_splits: int | None = None,
-) -> None:
-    query, k_cache, v_cache, table, clean, seq_lens = make_case(
-        seed, lens, num_heads, num_kv_heads, head_dim, block_size, dtype
-    )
-    scale = head_dim**-0.5
-    out = triton_ops.triton_paged_decode_attention(
-        query, k_cache, v_cache, table, seq_lens, scale, sliding_window, softcap, num_splits=num_splits
-    )
-    expected = paged_ops.paged_decode_attention(
-        query, k_cache, v_cache, clean, seq_lens, scale, sliding_window, softcap
-    )
-    assert out.shape == query.shape and out.dtype == dtype
-    live = seq_lens > 0
-    assert_close(out[live], expected[live], dtype)
-    # Padding rows must come out as exact zeros (the reference may give NaN there).
-    assert torch.equal(out[~live], torch.zeros_like(out[~live]))
+def _check_decode(*args, num_splits: int | None = None, **kwargs) -> None:
+    check_decode(triton_ops.triton_paged_decode_attention, *args, num_splits=num_splits, **kwargs)
 
 
 def test_available_under_interpreter() -> None:

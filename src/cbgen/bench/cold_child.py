@@ -109,6 +109,20 @@ def run_cbgen(spec: dict[str, Any], marks: Marks) -> tuple[list[list[list[int]]]
     return tokens, settings
 
 
+def left_pad(prompts: list[list[int]], pad: int) -> tuple[Any, Any]:
+    """``(input_ids, attention_mask)`` of a left-padded static batch (shared with ``engines.py``,
+    which imports it from here because this module must stay cheap to import)."""
+    import torch
+
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), pad, dtype=torch.long)
+    mask = torch.zeros((len(prompts), width), dtype=torch.long)
+    for row, p in enumerate(prompts):
+        ids[row, width - len(p) :] = torch.tensor(p)
+        mask[row, width - len(p) :] = 1
+    return ids, mask
+
+
 def run_hf_generate(spec: dict[str, Any], marks: Marks) -> tuple[list[list[list[int]]], dict[str, Any]]:
     """``from_pretrained`` and ``generate`` on left-padded static batches, as the warm ``hf-generate``
     runner does (:func:`cbgen.bench.engines._hf_generate_once`), which this file cannot import."""
@@ -144,12 +158,7 @@ def run_hf_generate(spec: dict[str, Any], marks: Marks) -> tuple[list[list[list[
     tokens: list[list[list[int]]] = []
     for start in range(0, len(prompts), bs):
         batch, wants = prompts[start : start + bs], max_tokens[start : start + bs]
-        width = max(len(p) for p in batch)
-        ids = torch.full((len(batch), width), pad, dtype=torch.long)
-        mask = torch.zeros((len(batch), width), dtype=torch.long)
-        for row, p in enumerate(batch):
-            ids[row, width - len(p) :] = torch.tensor(p)
-            mask[row, width - len(p) :] = 1
+        ids, mask = left_pad(batch, pad)
         # Static batching: every row runs as long as the longest request of its batch.
         new = max(wants)
         config = GenerationConfig(
@@ -166,7 +175,7 @@ def run_hf_generate(spec: dict[str, Any], marks: Marks) -> tuple[list[list[list[
             out = model.generate(
                 input_ids=ids.to(device), attention_mask=mask.to(device), generation_config=config
             )
-        rows = out[:, width:].tolist()  # waits for the device, so the outputs are in hand
+        rows = out[:, ids.shape[1] :].tolist()  # waits for the device, so the outputs are in hand
         for i, want in enumerate(wants):
             tokens.append([rows[i * n + j][:want] for j in range(n)])
     marks["outputs_done"] = time.time()

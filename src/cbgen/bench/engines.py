@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from cbgen.bench.cold_child import left_pad
 from cbgen.bench.workloads import Workload, build_workload, load_bench_model, model_path, vocab_size_of
 
 ENGINE_NAMES: tuple[str, ...] = ("cbgen", "cbgen-compile", "cbgen-noshare", "hf-generate", "hf-cb", "vllm")
@@ -313,12 +314,7 @@ def _hf_generate_once(model: Any, workload: Workload, batch_size: int) -> tuple[
     for start in range(0, count, bs):
         prompts = workload.prompts[start : start + bs]
         wants = workload.max_tokens[start : start + bs]
-        width = max(len(p) for p in prompts)
-        ids = torch.full((len(prompts), width), pad, dtype=torch.long)
-        mask = torch.zeros((len(prompts), width), dtype=torch.long)
-        for row, p in enumerate(prompts):
-            ids[row, width - len(p) :] = torch.tensor(p)
-            mask[row, width - len(p) :] = 1
+        ids, mask = left_pad(prompts, pad)
         # Static batching: every row runs as long as the longest request of its batch.
         new = max(wants)
         config = GenerationConfig(
@@ -335,7 +331,7 @@ def _hf_generate_once(model: Any, workload: Workload, batch_size: int) -> tuple[
             out = model.generate(
                 input_ids=ids.to(device), attention_mask=mask.to(device), generation_config=config
             )
-        rows = out[:, width:].tolist()
+        rows = out[:, ids.shape[1] :].tolist()
         for i, want in enumerate(wants):
             tokens.append([rows[i * workload.n + j][:want] for j in range(workload.n)])
     _sync(device)
