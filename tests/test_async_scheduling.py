@@ -160,3 +160,26 @@ def test_weight_update_between_rounds_with_tokens_in_flight():
     # Non-streamed requests restart under the new weights: each output comes from one version.
     compare(model, prompts, [outs[i].outputs[0].token_ids for i in ids], refs)
     assert all(outs[i].weight_version == engine.weights.version for i in ids)
+
+
+def test_next_step_is_built_before_this_one_samples(llama):
+    """The order that lets the CPU work overlap the device: launch forward N, apply N-1, schedule and
+    build N+1, then sample N; N+1's inputs come from N's device tokens."""
+    llm = LLM(llama, block_size=8, async_scheduling=True)
+    engine = llm.engine
+    for p in make_prompts(4, seed=13):
+        engine.add_request(p, GREEDY)
+    sampler = engine.sampler
+    seen = []
+
+    def spy(logits, requests):
+        seen.append(engine._prepared is not None and engine._prepared[1] is not None)
+        return sampler(logits, requests)
+
+    engine.sampler = spy
+    outs = []
+    while engine.has_unfinished():
+        outs += [o for o in engine.step() if o.finished]
+    assert all(len(o.outputs[0].token_ids) == 30 for o in outs)
+    # Every step that sampled while more work remained had the next batch ready first.
+    assert sum(seen) >= 25 and seen[-1] is False

@@ -21,14 +21,14 @@ import torch
 
 from cbgen.config import EngineConfig
 from cbgen.core.block_manager import BlockManager
-from cbgen.core.scheduler import Scheduler
+from cbgen.core.scheduler import Scheduler, SchedulerOutput
 from cbgen.model.input_batch import InputBuilder, ModelInput
 from cbgen.model.kv_cache import KVCache, KVGeometry, choose_num_blocks
 from cbgen.model.runner import ModelRunner, choose_backend
 from cbgen.model.weights import WeightWatcher
 from cbgen.output_processor import OutputProcessor
 from cbgen.outputs import RequestOutput
-from cbgen.request import Request, RequestStatus
+from cbgen.request import PENDING_TOKEN, Request, RequestStatus
 from cbgen.sample.logits_processors import AllowedTokensProcessor, BadWordsProcessor
 from cbgen.sample.sampler import Sampler, prompt_logprobs
 from cbgen.sampling_params import SamplingParams
@@ -184,6 +184,7 @@ class Engine:
             config.async_scheduling if config.async_scheduling is not None else self.device.type == "cuda"
         )
         self._deferred: _StepResult | None = None
+        self._prepared: tuple[SchedulerOutput, ModelInput | None] | None = None
         self._carry: dict[str, RequestGroup] = {}
 
     @staticmethod
@@ -301,6 +302,7 @@ class Engine:
         # outputs go out with the next step), then the policy below treats them like the others.
         self._finish_step(self._deferred, self._carry)
         self._deferred = None
+        self._prepared = None  # built for the old state; the policy below reschedules everything
         self.stats.weight_changes += 1
         self.reset_prefix_cache()
         # Policy: a request in flight when the weights change is recomputed from its prompt under the
@@ -342,27 +344,25 @@ class Engine:
         """Runs one scheduling + forward + sampling step; returns outputs of groups that changed
         (every step for streamed groups, once at the end for the others).
 
-        With overlap scheduling, the step's sampled tokens stay on the device and are read back in
-        the next step, after that step's forward was launched: stop checks lag one step, and a
-        token sampled for a request that had already stopped is dropped, never emitted.
+        With overlap scheduling, a step launches its forward, then (while the device computes) applies
+        the previous step's tokens and schedules and builds the next step, and only then samples.
+        Sampled tokens stay on the device and feed the next step's inputs.  Stop checks lag one
+        step: a token sampled for a request that had already stopped is dropped, never emitted.
         """
-        t0 = time.perf_counter()
         if not self.kv_cache.allocated:
             raise RuntimeError("the KV cache was released: call resume_memory() before generating again")
         self._check_weights()
         changed, self._carry = self._carry, {}
-        sched = self.scheduler.schedule()
-        t1 = time.perf_counter()
-        for request in sched.failed:
-            self._finish(request, RequestStatus.FINISHED_ERROR, error=request.error)
-            changed[request.group_id] = self.groups[request.group_id]
-        times = {"schedule": t1 - t0}
-        batch = logits = None
+        times: dict[str, float] = {}
+        prepared, self._prepared = self._prepared, None
+        if prepared is not None and all(r.is_finished for r, _ in prepared[0].scheduled):
+            prepared = None  # every request in it ended (aborted) since it was built
+        sched, batch = prepared or self._schedule_and_build(changed, times)
+        logits = None
         crossed: list[Request] = []
-        if sched.scheduled:
-            batch = self.input_builder.build(sched.scheduled, self.kv_cache.layers)
+        if batch is not None:
             self._patch_pending_inputs(batch)
-            t2 = time.perf_counter()
+            t = time.perf_counter()
             if self._pending_copies:
                 self.kv_cache.copy_blocks(self._pending_copies)
                 self._pending_copies = []
@@ -370,30 +370,70 @@ class Engine:
             crossed = self._advance(batch)
             if batch.prompt_rows:
                 self._record_prompt_logprobs(batch, logits[: batch.num_prompt_rows])
-            times.update(build=t2 - t1, forward=time.perf_counter() - t2)
-        # While the device runs this step's forward, the CPU reads back and applies the previous one.
-        t3 = time.perf_counter()
+            times["forward"] = time.perf_counter() - t
+        # While the device runs this step's forward, the CPU applies the previous step's tokens.
+        t = time.perf_counter()
         self._finish_step(self._deferred, changed)
         self._deferred = None
         outputs = self._collect_outputs(changed)
-        if batch is not None:
-            t4 = time.perf_counter()
+        update = time.perf_counter() - t
+        if batch is not None and batch.sample_requests:
             sample_logits = logits[batch.num_prompt_rows :]
-            sampled = self.sampler(sample_logits, batch.sample_requests) if batch.sample_requests else None
-            t5 = time.perf_counter()
-            done = _StepResult(batch, sampled, crossed)
-            if self.async_scheduling and sampled is not None:
-                for r in batch.sample_requests:
-                    if r.status is RequestStatus.RUNNING:
-                        r.append_placeholder()
-                self._deferred = done
+            if self.async_scheduling:
+                sample = self._prepare_next_then_sample(batch, sample_logits, times)
+                self._deferred = _StepResult(batch, sample, crossed)
             else:
-                self._finish_step(done, changed)
+                t = time.perf_counter()
+                sample = self.sampler(sample_logits, batch.sample_requests)
+                times["sample"] = time.perf_counter() - t
+                t = time.perf_counter()
+                self._finish_step(_StepResult(batch, sample, crossed), changed)
                 outputs += self._collect_outputs(changed)
-            times.update(sample=t5 - t4, update=time.perf_counter() - t5 + (t4 - t3))
+                update += time.perf_counter() - t
+        elif batch is not None:
+            self._publish(crossed)
+        times["update"] = update
         self.scheduler.remove_finished()
         self._account(sched, batch, times)
         return outputs
+
+    def _schedule_and_build(
+        self, changed: dict[str, RequestGroup], times: dict[str, float]
+    ) -> tuple[SchedulerOutput, ModelInput | None]:
+        t0 = time.perf_counter()
+        self.scheduler.remove_finished()
+        sched = self.scheduler.schedule()
+        for request in sched.failed:
+            self._finish(request, RequestStatus.FINISHED_ERROR, error=request.error)
+            changed[request.group_id] = self.groups[request.group_id]
+        t1 = time.perf_counter()
+        batch = None
+        if sched.scheduled:
+            batch = self.input_builder.build(sched.scheduled, self.kv_cache.layers)
+            batch.pending_rows = [(row, r) for row, (r, _) in enumerate(batch.scheduled) if r.pending]
+        times["schedule"] = times.get("schedule", 0.0) + t1 - t0
+        times["build"] = times.get("build", 0.0) + time.perf_counter() - t1
+        return sched, batch
+
+    def _prepare_next_then_sample(self, batch: ModelInput, logits: torch.Tensor, times: dict[str, float]):
+        """Overlap scheduling: reserve this step's tokens as placeholders, schedule and build the next
+        step, then sample this one (the device has been busy with its forward all along)."""
+        pending = [r for r in batch.sample_requests if r.status is RequestStatus.RUNNING]
+        for r in pending:
+            r.append_placeholder()
+        # Groups failed by this schedule report with the next step's outputs.
+        self._prepared = self._schedule_and_build(self._carry, times)
+        # The sampler must see what a synchronous step would: no placeholder of this step's own.
+        hidden = [r for r in pending if r.pending]
+        for r in hidden:
+            r.token_ids.pop()
+        t = time.perf_counter()
+        try:
+            return self.sampler(logits, batch.sample_requests)
+        finally:
+            times["sample"] = time.perf_counter() - t
+            for r in hidden:
+                r.token_ids.append(PENDING_TOKEN)
 
     def _advance(self, batch: ModelInput) -> list[Request]:
         """Counts the step's tokens as computed; returns requests that completed a block (published
@@ -408,25 +448,25 @@ class Engine:
         return crossed
 
     def _patch_pending_inputs(self, batch: ModelInput) -> None:
-        """Feeds the previous step's device-side tokens to the rows whose input is still pending."""
-        prev = self._deferred
-        if prev is None:
+        """Feeds the previous step's device-side tokens to the rows built around a placeholder.
+
+        The rows were recorded at build time: a request aborted since then has dropped its
+        placeholder, but its row must still get a valid token (its result is discarded)."""
+        if not batch.pending_rows:
             return
+        index = self._deferred.sample_index()
         rows, src = [], []
-        index = prev.sample_index()
-        for row, (r, n) in enumerate(batch.scheduled):
-            if r.pending:
-                # Only a decode row can end in the placeholder: a recompute after preemption waits
-                # until the placeholder is resolved.
-                assert n == 1 and r.num_computed_tokens == r.num_tokens - 1, r.request_id
-                rows.append(row)
-                src.append(index[id(r)])
-        if rows:
-            dev = batch.input_ids.device
-            tokens = prev.sampled.device_token_ids
-            batch.input_ids[torch.tensor(rows, device=dev)] = tokens[
-                torch.tensor(src, device=tokens.device)
-            ].to(dev)
+        for row, r in batch.pending_rows:
+            # Only a decode row can end in the placeholder: a recompute after preemption waits
+            # until the placeholder is resolved.
+            assert batch.scheduled[row][1] == 1, r.request_id
+            rows.append(row)
+            src.append(index[id(r)])
+        dev = batch.input_ids.device
+        tokens = self._deferred.sampled.device_token_ids
+        batch.input_ids[torch.tensor(rows, device=dev)] = tokens[torch.tensor(src, device=tokens.device)].to(
+            dev
+        )
 
     def _collect_outputs(self, changed: dict[str, RequestGroup]) -> list[RequestOutput]:
         outputs = []
@@ -606,6 +646,7 @@ class Engine:
         """Frees the KV cache tensors.  Only allowed when no request is in flight."""
         if self.has_unfinished():
             raise RuntimeError("release_memory() needs an idle engine: requests are still in flight")
+        self._prepared = self._deferred = None  # only ended requests can be left in them
         self.block_manager.reset_prefix_cache()
         self.kv_cache.release()
         self.runner.release()

@@ -40,6 +40,8 @@ class ModelInput:
     sample_requests: list[Request]  # one per sampled logits row (after the prompt-logprob rows)
     prompt_rows: list[PromptLogprobRows] = field(default_factory=list)
     num_prompt_rows: int = 0
+    # Overlap scheduling: (row, request) whose input token was still on the device at build time.
+    pending_rows: list[tuple[int, Request]] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
