@@ -513,6 +513,7 @@ class Engine:
         kept = sampled.log_kept_mass.tolist()
         top_ids = sampled.topk_ids.tolist() if sampled.topk_ids is not None else None
         top_lp = sampled.topk_logprobs.tolist() if sampled.topk_logprobs is not None else None
+        failed = sampled.failed
 
         # Fork n>1 samples first: their leader may finish in this very step and free its blocks.
         for r in batch.sample_requests:
@@ -523,8 +524,8 @@ class Engine:
             if r.is_finished:
                 continue
             changed[r.group_id] = self.groups[r.group_id]
-            if i in sampled.failed:
-                self._finish(r, RequestStatus.FINISHED_ERROR, error=sampled.failed[i])
+            if i in failed:
+                self._finish(r, RequestStatus.FINISHED_ERROR, error=failed[i])
                 continue
             if r.first_token_time is None:
                 r.first_token_time = now

@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from cbgen.request import Request
+from cbgen.sample import processors
 from cbgen.sample.sampler import Sampler, SamplerOutput, prompt_logprobs
 from cbgen.sampling_params import SamplingParams
 
@@ -616,3 +617,36 @@ def test_rejects_bad_shapes() -> None:
         sampler(torch.randn(1, 9), [make_request(SamplingParams())])
     empty = sampler(torch.randn(0, 10), [])
     assert empty.token_ids.shape == (0,)
+
+
+def _forbid_device_reads(monkeypatch) -> None:
+    """Makes every host read-back of tensor data raise: on CUDA each would be a device sync."""
+
+    def boom(*args, **kwargs):
+        raise AssertionError("the sampler read device data back inside a step")
+
+    for name in ("tolist", "item", "__bool__", "nonzero", "__int__", "__float__"):
+        monkeypatch.setattr(torch.Tensor, name, boom)
+    monkeypatch.setattr(processors, "CPU_EXP_SHORTCUT", False)  # CPU-only, reads a value back
+
+
+def test_greedy_batch_needs_no_device_read_back(monkeypatch) -> None:
+    """Greedy rows (with top logprobs, bias and a NaN row) are sampled without reading device data;
+    failures come back as flags with the tokens and become messages at read-back."""
+    torch.manual_seed(0)
+    logits = torch.randn(6, 300)
+    logits[4] = float("nan")
+    reqs = [make_request(SamplingParams(temperature=0, logprobs=3 if i % 2 else None)) for i in range(6)]
+    reqs[2] = make_request(SamplingParams(temperature=0, logit_bias={5: 100.0}))
+    with monkeypatch.context() as m:
+        _forbid_device_reads(m)
+        out = Sampler(300)(logits, reqs)
+    assert list(out.failed) == [4] and "NaN" in out.failed[4]
+    expected = logits.argmax(dim=1)
+    expected[2] = 5
+    live = [0, 1, 2, 3, 5]
+    assert out.token_ids[live].tolist() == expected[live].tolist()
+    lp = torch.log_softmax(logits[live].double(), dim=1)
+    raw = out.raw_logprobs[live].double()
+    assert torch.allclose(raw, lp.gather(1, expected[live].unsqueeze(1)).squeeze(1), atol=1e-5)
+    assert out.topk_ids[1].tolist() == logits[1].topk(3).indices.tolist()

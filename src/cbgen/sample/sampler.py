@@ -49,6 +49,12 @@ from cbgen.sample.processors import (
     truncation_thresholds,
 )
 
+FLAG_OK, FLAG_NOTHING_CHOOSABLE, FLAG_BAD_LOGITS = 0, 1, 2
+_FLAG_MESSAGES = {
+    FLAG_NOTHING_CHOOSABLE: "no token can be chosen: every logit is -inf or the logits hold NaN/inf",
+    FLAG_BAD_LOGITS: "the model logits hold NaN or inf",
+}
+
 
 @dataclass
 class SamplerOutput:
@@ -80,8 +86,19 @@ class SamplerOutput:
     log_kept_mass: torch.Tensor
     topk_ids: torch.Tensor | None = None
     topk_logprobs: torch.Tensor | None = None
-    failed: dict[int, str] = field(default_factory=dict)
+    host_failed: dict[int, str] = field(default_factory=dict)  # found on the host (processors, ...)
+    row_flags: torch.Tensor | None = None  # int8 [B], FLAG_*: failures found on the device
     device_token_ids: torch.Tensor | None = None  # token_ids where the logits live (next step's inputs)
+
+    @property
+    def failed(self) -> dict[int, str]:
+        """Row -> message for every failed row (host findings win); reads ``row_flags``."""
+        out = dict(self.host_failed)
+        if self.row_flags is not None:
+            for row, flag in enumerate(self.row_flags.tolist()):
+                if flag != FLAG_OK:
+                    out.setdefault(row, _FLAG_MESSAGES[flag])
+        return dict(sorted(out.items()))
 
 
 @dataclass
@@ -209,11 +226,15 @@ class Sampler:
             self._scatter(mass, s_rows, res.mass)
 
         # The raw normaliser of every row whose sampled e-values were not already exp(raw - max).
-        missing = torch.isnan(mass).nonzero().squeeze(1)
-        if missing.numel():
-            rows_m = None if missing.numel() == num_rows else missing
-            scratch = self._scratch(missing.numel(), vocab, dev)
-            mass[missing] = exp_sum(raw, rows_m, raw_shift.index_select(0, missing), scratch)
+        # Without sampled rows that is every row, known on the host (no device read-back).
+        if sampled is None:
+            mass = exp_sum(raw, None, raw_shift, self._scratch(num_rows, vocab, dev)).to(mass.dtype)
+        else:
+            missing = torch.isnan(mass).nonzero().squeeze(1)
+            if missing.numel():
+                rows_m = None if missing.numel() == num_rows else missing
+                scratch = self._scratch(missing.numel(), vocab, dev)
+                mass[missing] = exp_sum(raw, rows_m, raw_shift.index_select(0, missing), scratch)
         raw_lse = raw_shift.double() + torch.log(mass)
 
         if params.greedy_rows:
@@ -227,22 +248,29 @@ class Sampler:
         raw_tok = raw.gather(1, token.unsqueeze(1)).squeeze(1).double()
         raw_lp = raw_tok - raw_lse
         log_kept = torch.where(torch.isnan(kept), torch.zeros_like(kept), torch.log(kept) - torch.log(mass))
+        # Row failures the device finds are flags, read back with the tokens, not here.
+        flags = torch.where(~torch.isfinite(raw_lse), FLAG_BAD_LOGITS, FLAG_OK).to(torch.int8)
         if params.greedy_rows:
             g = torch.tensor(params.greedy_rows, device=dev)
             log_kept[g] = raw_lp.index_select(0, g)
-            for r in g[~torch.isfinite(proc_max.index_select(0, g))].tolist():
-                failed[r] = "no token can be chosen: every logit is -inf or the logits hold NaN/inf"
-
-        for r in (~torch.isfinite(raw_lse)).nonzero().squeeze(1).tolist():
-            failed.setdefault(r, "the model logits hold NaN or inf")
+            stuck = ~torch.isfinite(proc_max.index_select(0, g))
+            flags[g] = torch.where(stuck, FLAG_NOTHING_CHOOSABLE, flags.index_select(0, g)).to(torch.int8)
+        # One device-to-host copy for everything the step reports (ids are exact in float64).
+        cols = [token.double(), logprob.double(), raw_lp.double(), log_kept.double(), flags.double()]
+        k = 0 if topk_ids is None else topk_ids.shape[1]
+        host = torch.cat(
+            [c.unsqueeze(1) for c in cols] + ([topk_ids.double(), topk_lp.double()] if k else []), 1
+        )
+        host = host.cpu()
         return SamplerOutput(
-            token_ids=token.cpu(),
-            logprobs=logprob.float().cpu(),
-            raw_logprobs=raw_lp.float().cpu(),
-            log_kept_mass=log_kept.float().cpu(),
-            topk_ids=None if topk_ids is None else topk_ids.cpu(),
-            topk_logprobs=None if topk_lp is None else topk_lp.cpu(),
-            failed=dict(sorted(failed.items())),
+            token_ids=host[:, 0].long(),
+            logprobs=host[:, 1].float(),
+            raw_logprobs=host[:, 2].float(),
+            log_kept_mass=host[:, 3].float(),
+            topk_ids=host[:, 5 : 5 + k].long() if k else None,
+            topk_logprobs=host[:, 5 + k :].float() if k else None,
+            host_failed=failed,
+            row_flags=host[:, 4].to(torch.int8),
             device_token_ids=token,
         )
 
@@ -477,10 +505,11 @@ class Sampler:
         lr = torch.tensor(local, dtype=torch.int64, device=dev)
         g = lr if rows is None else rows.index_select(0, lr)
         vals, ids = topk_desc(proc, topk_ids.shape[1], g, proc_bmax)
-        modified = torch.tensor([params.modified[params.greedy_rows[j]] for j in local], device=dev)
+        # Which rows were modified is known on the host: no device read-back needed to pick them.
+        mod_local = [k for k, j in enumerate(local) if params.modified[params.greedy_rows[j]]]
         lse = raw_lse.index_select(0, g)
-        if bool(modified.any()):
-            mod = modified.nonzero().squeeze(1)
+        if mod_local:
+            mod = torch.tensor(mod_local, dtype=torch.int64, device=dev)
             lse[mod] = logsumexp_rows(proc.index_select(0, g.index_select(0, mod)))
         topk_ids[g] = ids
         topk_lp[g] = (vals.double() - lse.unsqueeze(1)).float()
