@@ -25,6 +25,7 @@ Usage: ``python benchmarks/gpu_check.py [--dry-run] [--skip-4b] [--out results.j
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import json
 import os
@@ -194,6 +195,55 @@ def kernel_check(dry: bool) -> int:
     return kc.main(argv)
 
 
+def step_syncs(model, device, dry: bool) -> dict:
+    """Host syncs per decode step with overlap scheduling and a mixed sampled batch.
+
+    ``torch.cuda.set_sync_debug_mode("warn")`` reports every synchronizing CUDA call; the target is
+    at most one per step (the packed device-to-host copy of the sampled tokens).  On the CPU (dry
+    run) there is nothing to count; the steps still run, to check this code.
+    """
+    import warnings
+
+    from cbgen import LLM, SamplingParams
+
+    llm = LLM(model, max_num_seqs=32, enforce_eager=None if not dry else False)
+    kinds = [
+        SamplingParams(temperature=0.0),
+        SamplingParams(temperature=0.8, top_p=0.9),
+        SamplingParams(temperature=1.0, top_k=20, min_p=0.05, logprobs=3),
+        SamplingParams(temperature=0.7, repetition_penalty=1.2, presence_penalty=0.3, seed=5),
+    ]
+    prompts, _ = workload(32, 16, 64, model.config.vocab_size, seed=3)
+    engine = llm.engine
+    for i, prompt in enumerate(prompts):
+        p = kinds[i % len(kinds)]
+        params = dataclasses.replace(p, max_tokens=48, ignore_eos=True)
+        engine.add_request(prompt, params)
+    for _ in range(4):  # prefill and the first decode steps, outside the count
+        engine.step()
+    counts = []
+    on_cuda = device.type == "cuda"
+    while engine.has_unfinished():
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            if on_cuda:
+                torch.cuda.set_sync_debug_mode("warn")
+            try:
+                engine.step()
+            finally:
+                if on_cuda:
+                    torch.cuda.set_sync_debug_mode("default")
+        counts.append(sum("synchroniz" in str(w.message) for w in caught))
+    del llm
+    if not on_cuda:
+        return {"steps": len(counts), "syncs_per_step_max": None, "syncs_per_step_median": None}
+    return {
+        "steps": len(counts),
+        "syncs_per_step_max": max(counts, default=0),
+        "syncs_per_step_median": statistics.median(counts) if counts else 0,
+    }
+
+
 # ---------------------------------------------------------------------------- 2. throughput
 def run_cbgen(model, prompts, outs) -> float:
     from cbgen import LLM, SamplingParams
@@ -356,6 +406,8 @@ def main(argv: list[str] | None = None) -> int:
         r: dict = {}
         r["exactness"] = exactness(model, device, 8 if dry else 64, 8 if dry else 128, dry)
         print(" exactness", r["exactness"], flush=True)
+        r["syncs"] = step_syncs(model, device, dry)
+        print(" syncs", r["syncs"], flush=True)
         if name != "qwen3-4b":  # the throughput and roofline targets are for the 0.6B shape
             prompts, outs = workload(n_req, lo, hi, shape["vocab_size"])
             r["cbgen_tok_s"] = run_cbgen(model, prompts, outs)
@@ -405,6 +457,12 @@ def main(argv: list[str] | None = None) -> int:
                 f"{f['real_divergences']} exact / near-tie / real divergences of "
                 f"{results[name]['exactness']['prompts']}, {f['graphs']} graphs"
             )
+    for name in shapes:
+        sy = results[name]["syncs"]
+        print(
+            f"\nhost syncs per decode step ({name}, overlap scheduling, mixed sampled batch, "
+            f"{sy['steps']} steps): max {sy['syncs_per_step_max']}, median {sy['syncs_per_step_median']}"
+        )
     print(f"\nkernel check exit code {results['kernels_exit']}; total {results['seconds']:.0f} s")
     failed = results["kernels_exit"] != 0 or any(
         results[n]["exactness"]["real_divergences"]

@@ -20,11 +20,26 @@ import torch
 
 from cbgen.request import Request
 from cbgen.sample import processors
-from cbgen.sample.sampler import Sampler, SamplerOutput, prompt_logprobs
+from cbgen.sample import sampler as sampler_module
+from cbgen.sample.sampler import SamplerOutput, prompt_logprobs
 from cbgen.sampling_params import SamplingParams
 
 EOS = 2
 N_SAMPLES = 20_000
+Sampler = sampler_module.Sampler  # replaced per test by the fixture below
+
+
+@pytest.fixture(autouse=True, params=["sync", "sync_free"])
+def sampler_mode(request, monkeypatch) -> str:
+    """Every test runs against both sampled-row algorithms (see ``Sampler``'s ``sync_free``)."""
+    sync_free = request.param == "sync_free"
+
+    def make(*args, **kwargs):
+        kwargs.setdefault("sync_free", sync_free)
+        return sampler_module.Sampler(*args, **kwargs)
+
+    monkeypatch.setitem(globals(), "Sampler", make)
+    return request.param
 
 
 # ------------------------------------------------------------------------------ reference (float64)
@@ -650,3 +665,51 @@ def test_greedy_batch_needs_no_device_read_back(monkeypatch) -> None:
     raw = out.raw_logprobs[live].double()
     assert torch.allclose(raw, lp.gather(1, expected[live].unsqueeze(1)).squeeze(1), atol=1e-5)
     assert out.topk_ids[1].tolist() == logits[1].topk(3).indices.tolist()
+
+
+def test_sampled_batch_needs_no_device_read_back(monkeypatch, sampler_mode) -> None:
+    """The sync-free mode samples truncated, penalised, biased and failing rows without reading any
+    device data, and its tokens, logprobs and kept mass follow the float64 reference."""
+    vocab = 300
+    rng = np.random.RandomState(4)
+    cases = [
+        *LOGPROB_CASES,
+        SamplingParams(top_p=0.9, seed=3, logprobs=4),
+        SamplingParams(top_k=3, min_p=0.1, logprobs=2),
+        SamplingParams(logit_bias={t: float("-inf") for t in range(vocab)}),  # nothing choosable
+        SamplingParams(top_k=4),  # NaN logits below
+    ]
+    rows = [(rng.randn(vocab) * 2).astype(np.float32) for _ in cases]
+    rows[-1][7] = np.nan
+    reqs = [make_request(p, PROMPT, OUTPUT, request_id=f"r{i}") for i, p in enumerate(cases)]
+    logits = torch.from_numpy(np.stack(rows))
+    with monkeypatch.context() as m:
+        _forbid_device_reads(m)
+        if sampler_mode == "sync":  # control: the read-back check has teeth
+            with pytest.raises(AssertionError, match="read device data back"):
+                Sampler(vocab)(logits, reqs)
+            return
+        out = Sampler(vocab)(logits, reqs)
+    bad = [len(cases) - 2, len(cases) - 1]
+    assert list(out.failed) == bad
+    for i, (x, req) in enumerate(zip(rows, reqs)):
+        if i in bad:
+            continue
+        tok = int(out.token_ids[i])
+        probs, survivors = reference_distribution(x, req.params, PROMPT, OUTPUT)
+        assert probs[tok] > 0, (i, req.params)
+        raw = x.astype(np.float64)
+        raw_lsm = raw - (raw.max() + np.log(np.exp(raw - raw.max()).sum()))
+        assert out.raw_logprobs[i].item() == pytest.approx(raw_lsm[tok], abs=1e-5)
+        assert out.log_kept_mass[i].item() == pytest.approx(
+            np.log(np.exp(raw_lsm)[survivors].sum()), abs=1e-5
+        )
+        if req.params.temperature != 0:
+            assert out.logprobs[i].item() == pytest.approx(np.log(probs[tok]), abs=1e-5)
+        if req.params.logprobs:
+            k = req.params.logprobs
+            ids = out.topk_ids[i, :k].numpy()
+            with np.errstate(divide="ignore"):
+                expected = np.log(probs[ids])
+            np.testing.assert_allclose(out.topk_logprobs[i, :k].numpy(), expected, atol=1e-5)
+            assert sorted(probs[ids], reverse=True) == pytest.approx(sorted(probs, reverse=True)[:k])

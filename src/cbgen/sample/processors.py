@@ -86,6 +86,7 @@ class BatchParams:
     vocab_size: int
     greedy_rows: list[int] = field(default_factory=list)
     sampled_rows: list[int] = field(default_factory=list)
+    truncated_rows: list[int] = field(default_factory=list)  # sampled rows with top-k/top-p/min-p
     temperature: torch.Tensor | None = None  # float32 [B]; 1.0 for greedy rows
     top_k: torch.Tensor | None = None  # int64 [B]; 0 = off
     top_p: torch.Tensor | None = None  # float64 [B]; 1.0 = off
@@ -145,7 +146,9 @@ class BatchParams:
                 top_k.append(k)
                 top_p.append(float(p.top_p))
                 min_p.append(float(p.min_p))
-                out.any_truncation |= k > 0 or p.top_p < 1.0 or p.min_p > 0.0
+                if k > 0 or p.top_p < 1.0 or p.min_p > 0.0:
+                    out.any_truncation = True
+                    out.truncated_rows.append(i)
                 if p.seed is not None:
                     out.seeded_rows.append(i)
                     out.seeded_u.append(_uniform_from_hash(p.seed, req.sample_index, req.num_output_tokens))
@@ -227,20 +230,22 @@ def apply_banned_tokens(logits: torch.Tensor, rows: Sequence[int], cols: Sequenc
 
 
 def _token_index(
-    requests: Sequence[Request], rows: Sequence[int], vocab: int, outputs_only: bool, device: torch.device
+    requests: Sequence[Request], rows: Sequence[int], vocab: int, outputs_only: bool
 ) -> torch.Tensor:
-    """Flat ``row * V + token`` indices of each listed row's (prompt+output or output) tokens."""
+    """Flat ``row * V + token`` indices of each listed row's (prompt+output or output) tokens, on the
+    host: deduplicating there keeps the data-dependent sizes away from the device (no sync)."""
     lists = []
     for r in rows:
         req = requests[r]
         lists.append(req.token_ids[req.num_prompt_tokens :] if outputs_only else req.token_ids)
-    lengths = torch.tensor([len(t) for t in lists], dtype=torch.int64)
-    total = int(lengths.sum())
+    lengths = [len(t) for t in lists]
     # np.fromiter over a chain is several times faster than torch.tensor on a long Python list.
-    tok = torch.from_numpy(np.fromiter(itertools.chain.from_iterable(lists), dtype=np.int64, count=total))
-    row = torch.repeat_interleave(torch.tensor(list(rows), dtype=torch.int64), lengths)
+    tok = torch.from_numpy(
+        np.fromiter(itertools.chain.from_iterable(lists), dtype=np.int64, count=sum(lengths))
+    )
+    row = torch.repeat_interleave(torch.tensor(list(rows), dtype=torch.int64), torch.tensor(lengths))
     keep = (tok >= 0) & (tok < vocab)
-    return _flat_index(row[keep], tok[keep], vocab).to(device)
+    return _flat_index(row[keep], tok[keep], vocab)
 
 
 def apply_repetition_penalty(
@@ -255,7 +260,7 @@ def apply_repetition_penalty(
     # Deduplicate so each entry is written exactly once: writes with duplicate indices are
     # nondeterministic in general.  index_put_ (not index_copy_/index_add_) is used for writes
     # because it stays allowed under torch.use_deterministic_algorithms on GPUs.
-    idx = torch.unique(_token_index(requests, rows, vocab, False, dev))
+    idx = torch.unique(_token_index(requests, rows, vocab, False)).to(dev)
     per_row = torch.ones(logits.shape[0], dtype=torch.float32, device=dev)
     per_row[torch.tensor(rows, device=dev)] = torch.tensor(penalties, dtype=torch.float32, device=dev)
     pen = per_row[idx // vocab]
@@ -276,10 +281,11 @@ def apply_frequency_presence(
         return
     vocab = logits.shape[1]
     dev = logits.device
-    idx = _token_index(requests, rows, vocab, True, dev)
+    idx = _token_index(requests, rows, vocab, True)
     if idx.numel() == 0:
         return
     uniq, counts = torch.unique(idx, return_counts=True)
+    uniq, counts = uniq.to(dev), counts.to(dev)
     row_ids = torch.tensor(rows, device=dev)
     freq = torch.zeros(logits.shape[0], dtype=torch.float32, device=dev)
     pres = torch.zeros(logits.shape[0], dtype=torch.float32, device=dev)

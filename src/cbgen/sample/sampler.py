@@ -112,6 +112,8 @@ class _SampledRows:
     topk_rows: torch.Tensor | None = None  # local rows that asked for top logprobs
     topk_ids: torch.Tensor | None = None
     topk_logprobs: torch.Tensor | None = None
+    bad: torch.Tensor | None = None  # bool: rows with nothing to sample (sync-free path only)
+    mass_rows: list[int] | None = None  # local rows whose ``mass`` is set (sync-free path only)
 
 
 class Sampler:
@@ -120,12 +122,26 @@ class Sampler:
     ``vocab_size`` is the model's logits width (padding columns count as tokens).  ``logits_processors``
     are the batch-level custom processors requests can name.  ``seed`` seeds the private generator
     of unseeded rows.  Not thread-safe: on CPU it reuses scratch buffers between calls.
+
+    ``sync_free`` picks the sampled-row algorithm.  ``False`` branches on values it reads back from the
+    device (which rows a truncation cuts, whether a row's survivors fit its candidate list, failed
+    rows): the cheapest on CPU, where a read-back costs nothing.  ``True`` never reads the device:
+    truncated rows are sorted whole and masked, failures become flags read back with the tokens.
+    That is what an accelerator needs, because each read-back waits for the whole queue.  ``None``
+    (the default) chooses by the logits' device.  Both draw from the same distribution; a seeded row
+    can pick a different token in the two modes, because the spill case of ``False`` walks the
+    vocabulary in id order instead of by probability.
     """
 
     def __init__(
-        self, vocab_size: int, logits_processors: Sequence[BatchLogitsProcessor] = (), seed: int = 0
+        self,
+        vocab_size: int,
+        logits_processors: Sequence[BatchLogitsProcessor] = (),
+        seed: int = 0,
+        sync_free: bool | None = None,
     ) -> None:
         self.vocab_size = vocab_size
+        self.sync_free = sync_free
         self._processors: dict[str, BatchLogitsProcessor] = {}
         for proc in logits_processors:
             if proc.name in self._processors:
@@ -215,10 +231,14 @@ class Sampler:
             topk_ids = torch.full((num_rows, top_k), -1, dtype=torch.int64, device=dev)
             topk_lp = torch.full((num_rows, top_k), float("nan"), dtype=torch.float32, device=dev)
 
+        sync_free = self.sync_free if self.sync_free is not None else dev.type != "cpu"
         sampled = None
         if params.sampled_rows:
             s_rows = self._rows(params.sampled_rows, num_rows, dev)
-            res = self._sample_rows(raw, proc, params, s_rows, raw_shift, proc_max, failed)
+            if sync_free:
+                res = self._sample_rows_sync_free(raw, proc, params, s_rows, raw_shift, proc_max)
+            else:
+                res = self._sample_rows(raw, proc, params, s_rows, raw_shift, proc_max, failed)
             sampled = (s_rows, res)
             self._scatter(token, s_rows, res.token)
             self._scatter(logprob, s_rows, res.logprob)
@@ -230,7 +250,12 @@ class Sampler:
         if sampled is None:
             mass = exp_sum(raw, None, raw_shift, self._scratch(num_rows, vocab, dev)).to(mass.dtype)
         else:
-            missing = torch.isnan(mass).nonzero().squeeze(1)
+            if res.mass_rows is None:
+                missing = torch.isnan(mass).nonzero().squeeze(1)
+            else:  # which rows lack it is known on the host
+                have = {params.sampled_rows[j] for j in res.mass_rows}
+                missing = torch.tensor([r for r in range(num_rows) if r not in have], dtype=torch.int64)
+                missing = missing.to(dev)
             if missing.numel():
                 rows_m = None if missing.numel() == num_rows else missing
                 scratch = self._scratch(missing.numel(), vocab, dev)
@@ -255,6 +280,11 @@ class Sampler:
             log_kept[g] = raw_lp.index_select(0, g)
             stuck = ~torch.isfinite(proc_max.index_select(0, g))
             flags[g] = torch.where(stuck, FLAG_NOTHING_CHOOSABLE, flags.index_select(0, g)).to(torch.int8)
+        if sampled is not None and sampled[1].bad is not None:
+            s_rows, res = sampled
+            s_flags = flags if s_rows is None else flags.index_select(0, s_rows)
+            s_flags = torch.where(res.bad, FLAG_NOTHING_CHOOSABLE, s_flags).to(torch.int8)
+            self._scatter(flags, s_rows, s_flags)
         # One device-to-host copy for everything the step reports (ids are exact in float64).
         cols = [token.double(), logprob.double(), raw_lp.double(), log_kept.double(), flags.double()]
         k = 0 if topk_ids is None else topk_ids.shape[1]
@@ -463,24 +493,159 @@ class Sampler:
         temp64 = temperature.double()
         logprob = (x_tok - shift.double()) / temp64 - torch.log(total)
         res = _SampledRows(token=token, logprob=logprob, kept=kept, mass=mass)
-
-        if params.num_top_logprobs > 0:
-            wanted = set(params.logprob_rows)
-            local = [j for j, r in enumerate(rows_list) if r in wanted]
-            if local:
-                lr = torch.tensor(local, dtype=torch.int64, device=dev)
-                vals, ids = topk_desc(e, params.num_top_logprobs, lr, bmax)
-                g = glob.index_select(0, lr)
-                x = proc[g.unsqueeze(1), ids].double()
-                lp = (x - shift.index_select(0, lr).double().unsqueeze(1)) / temp64.index_select(
-                    0, lr
-                ).unsqueeze(1)
-                lp = lp - torch.log(total.index_select(0, lr)).unsqueeze(1)
-                survives = vals >= tau.index_select(0, lr).unsqueeze(1)
-                res.topk_rows = lr
-                res.topk_ids = ids
-                res.topk_logprobs = torch.where(survives, lp, torch.full_like(lp, NEG_INF))
+        self._top_logprobs(res, e, proc, params, glob, shift, temp64, total, tau, bmax)
         return res
+
+    def _sample_rows_sync_free(
+        self,
+        raw: torch.Tensor,
+        proc: torch.Tensor,
+        params: BatchParams,
+        rows: torch.Tensor | None,
+        raw_shift: torch.Tensor,
+        proc_max: torch.Tensor,
+    ) -> _SampledRows:
+        """:meth:`_sample_rows` without a single device read-back (see the class docstring).
+
+        Every branch is decided on the host, from the requests.  Rows with truncation sort their
+        whole e-row once and derive top-k, top-p and min-p thresholds from it (work the CPU path
+        avoids with candidate lists and a widening ladder, which need read-backs to stop); rows that
+        cannot be sampled are sampled from a uniform stand-in and reported in ``bad``.
+        """
+        vocab = raw.shape[1]
+        dev = raw.device
+        rows_list = params.sampled_rows
+        n = len(rows_list)
+
+        def sel(t: torch.Tensor) -> torch.Tensor:
+            t = t.to(dev)
+            return t if rows is None else t.index_select(0, rows)
+
+        def local(js: list[int]) -> torch.Tensor:
+            return torch.tensor(js, dtype=torch.int64).to(dev)
+
+        glob = torch.arange(n, device=dev) if rows is None else rows
+        temperature = sel(params.temperature)
+        proc_max = proc_max if rows is None else proc_max.index_select(0, rows)
+        shift = finite_or(proc_max, 0.0)
+        e = self._buffer("e", n, vocab, dev)
+        unmodified_l = [not params.modified[r] for r in rows_list]
+        want_plain = params.any_temperature and any(unmodified_l)
+        bsum, bmax, plain_sum = exp_rows(
+            proc,
+            rows,
+            shift,
+            temperature if params.any_temperature else None,
+            e,
+            scratch=self._scratch(n, vocab, dev) if want_plain else None,
+        )
+        total = bsum.sum(1)
+        bad = ~torch.isfinite(proc_max) | ~torch.isfinite(total) | (total <= 0)
+        # A uniform stand-in keeps the batch math finite; the flag fails the request at read-back.
+        e.masked_fill_(bad.unsqueeze(1), 1.0)
+        ones_bsum = block_reduce(torch.ones(1, vocab, device=dev), "sum")
+        bsum = torch.where(bad.unsqueeze(1), ones_bsum, bsum)
+        bmax = torch.where(bad.unsqueeze(1), torch.ones_like(bmax), bmax)
+        total = torch.where(bad, torch.full_like(total, float(vocab)), total)
+        shift = torch.where(bad, torch.zeros_like(shift), shift)
+        u = sel(self._uniforms(params, dev))
+
+        # The raw normaliser comes for free where the processed e-values are exp(raw - raw_max)
+        # (identity rows) or where exp_rows summed the raw values on the way (unmodified rows).
+        identity_l = [params.identity[r] for r in rows_list]
+        mass_rows = [j for j in range(n) if identity_l[j] or (plain_sum is not None and unmodified_l[j])]
+        mass = torch.full_like(total, float("nan"))
+        if mass_rows:
+            mass = torch.where(torch.tensor(identity_l).to(dev), total, mass)
+            if plain_sum is not None:
+                from_plain = [unmodified_l[j] and not identity_l[j] for j in range(n)]
+                mass = torch.where(torch.tensor(from_plain).to(dev), plain_sum, mass)
+
+        token = torch.zeros(n, dtype=torch.int64, device=dev)
+        kept = torch.full((n,), float("nan"), dtype=torch.float64, device=dev)
+        tau = torch.zeros(n, dtype=torch.float32, device=dev)
+        is_truncated = set(params.truncated_rows)
+        truncated = [j for j, r in enumerate(rows_list) if r in is_truncated]
+        if truncated:
+            t = local(truncated)
+            vals, ids = torch.sort(e.index_select(0, t), dim=1, descending=True)
+            top_k, top_p, min_p = sel(params.top_k)[t], sel(params.top_p)[t], sel(params.min_p)[t]
+            kth = vals.gather(1, (top_k - 1).clamp(min=0).unsqueeze(1)).squeeze(1)
+            tau_t = torch.where(top_k > 0, kth, torch.zeros_like(kth))
+            # Top-p on what top-k left: keep a token while the mass strictly before it is < top_p.
+            w = vals.double() * (vals >= tau_t.unsqueeze(1))
+            cum = w.cumsum(1)
+            n_keep = ((cum - w) < (top_p * cum[:, -1]).unsqueeze(1)).sum(1)
+            tau_p = vals.gather(1, (n_keep - 1).clamp(min=0).unsqueeze(1)).squeeze(1)
+            tau_t = torch.where(top_p < 1.0, torch.maximum(tau_t, tau_p), tau_t)
+            tau_t = torch.maximum(tau_t, min_p)
+            tau[t] = tau_t
+            weights = vals.double() * (vals >= tau_t.unsqueeze(1))
+            j = _inverse_cdf(weights, u.index_select(0, t))
+            token[t] = ids.gather(1, j.unsqueeze(1)).squeeze(1)
+            total[t] = weights.sum(1)
+            g = glob.index_select(0, t)
+            raw_vals = raw.index_select(0, g).gather(1, ids).double()
+            raw_vals = raw_vals - raw_shift.index_select(0, g).double().unsqueeze(1)
+            kept[t] = (torch.exp(raw_vals) * (weights > 0)).sum(1)
+        plain = [j for j, r in enumerate(rows_list) if r not in is_truncated]
+        if plain:
+            p = None if len(plain) == n else local(plain)
+            bs = bsum if p is None else bsum.index_select(0, p)
+            up = u if p is None else u.index_select(0, p)
+            self._scatter(token, p, _inverse_cdf_blocked(e, p, bs, up))
+            masked = [j for j in plain if params.masked[rows_list[j]]]
+            if masked:
+                m = local(masked)
+                g = glob.index_select(0, m)
+                kept[m] = exp_sum(
+                    raw,
+                    g,
+                    raw_shift.index_select(0, g),
+                    self._scratch(len(masked), vocab, dev),
+                    keep=proc,
+                    keep_rows=g,
+                    keep_above=NEG_INF,
+                )
+
+        x_tok = proc[glob, token].double()
+        x_tok = torch.where(bad, shift.double(), x_tok)
+        temp64 = temperature.double()
+        logprob = (x_tok - shift.double()) / temp64 - torch.log(total)
+        res = _SampledRows(token=token, logprob=logprob, kept=kept, mass=mass, bad=bad, mass_rows=mass_rows)
+        self._top_logprobs(res, e, proc, params, glob, shift, temp64, total, tau, bmax)
+        return res
+
+    def _top_logprobs(
+        self,
+        res: _SampledRows,
+        e: torch.Tensor,
+        proc: torch.Tensor,
+        params: BatchParams,
+        glob: torch.Tensor,
+        shift: torch.Tensor,
+        temp64: torch.Tensor,
+        total: torch.Tensor,
+        tau: torch.Tensor,
+        bmax: torch.Tensor,
+    ) -> None:
+        """Fills ``res.topk_*`` for the sampled rows that asked: processed logprobs, ``-inf`` if cut."""
+        if params.num_top_logprobs <= 0:
+            return
+        wanted = set(params.logprob_rows)
+        local = [j for j, r in enumerate(params.sampled_rows) if r in wanted]
+        if not local:
+            return
+        lr = torch.tensor(local, dtype=torch.int64, device=e.device)
+        vals, ids = topk_desc(e, params.num_top_logprobs, lr, bmax)
+        g = glob.index_select(0, lr)
+        x = proc[g.unsqueeze(1), ids].double()
+        lp = (x - shift.index_select(0, lr).double().unsqueeze(1)) / temp64.index_select(0, lr).unsqueeze(1)
+        lp = lp - torch.log(total.index_select(0, lr)).unsqueeze(1)
+        survives = vals >= tau.index_select(0, lr).unsqueeze(1)
+        res.topk_rows = lr
+        res.topk_ids = ids
+        res.topk_logprobs = torch.where(survives, lp, torch.full_like(lp, NEG_INF))
 
     def _greedy_rows(
         self,
