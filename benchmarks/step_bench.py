@@ -21,6 +21,7 @@ from cbgen import LLM, SamplingParams
 from cbgen.bench.workloads import chat_prompts
 
 VARIANTS = {
+    "unfused": {"fused_decode": False},
     "default": {},
     "torch": {"attention_backend": "torch"},
     "static": {"enforce_eager": False},

@@ -160,6 +160,8 @@ def _live_tensor_bytes() -> int:
     storages: dict[int, int] = {}
     for obj in gc.get_objects():
         if type(obj) is torch.Tensor or type(obj) is torch.nn.Parameter:
+            if obj.is_mkldnn or obj.layout != torch.strided:
+                continue  # opaque (pre-packed weights): no storage to measure
             storage = obj.untyped_storage()
             storages[storage.data_ptr()] = storage.nbytes()
     return sum(storages.values())

@@ -166,6 +166,8 @@ class Engine:
             enforce_eager=config.enforce_eager,
             compile=config.compile,
             cuda_graph_max_batch=config.cuda_graph_max_batch,
+            fused_decode=config.fused_decode,
+            prepack_weights=config.prepack_weights,
         )
         self.runner.warmup()
         self.input_builder = InputBuilder(config.block_size, self.device)
@@ -304,6 +306,7 @@ class Engine:
         self._deferred = None
         self._prepared = None  # built for the old state; the policy below reschedules everything
         self.stats.weight_changes += 1
+        self.runner.weights_changed()
         self.reset_prefix_cache()
         # Policy: a request in flight when the weights change is recomputed from its prompt under the
         # new weights, discarding what it generated, so every output comes from one weight version.

@@ -25,24 +25,41 @@ def _check_decode(*args, window=None, **kwargs) -> None:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("block_size", [1, 8, 16])
 @pytest.mark.parametrize(
-    ("num_heads", "num_kv_heads", "head_dim"), [(2, 2, 16), (9, 3, 64), (8, 2, 64), (4, 1, 128)]
+    ("num_heads", "num_kv_heads", "head_dim"),
+    [(2, 2, 16), (9, 3, 64), (8, 2, 64), (4, 1, 128), (6, 3, 24), (2, 1, 256)],
 )
 @pytest.mark.parametrize("lens", [LENS, MANY_LENS], ids=["few-rows", "many-rows"])
-def test_decode_matches_reference(dtype, block_size, num_heads, num_kv_heads, head_dim, lens) -> None:
-    _check_decode(lens, num_heads, num_kv_heads, head_dim, block_size, dtype, seed=head_dim + block_size)
+@pytest.mark.parametrize("portable", [False, True], ids=["fast", "portable"])
+def test_decode_matches_reference(
+    dtype, block_size, num_heads, num_kv_heads, head_dim, lens, portable
+) -> None:
+    """Both the AVX-512 loops (where the CPU has them; head sizes that are multiples of 16) and the
+    portable ones; head_dim 24 always takes the portable loops."""
+    _check_decode(
+        lens,
+        num_heads,
+        num_kv_heads,
+        head_dim,
+        block_size,
+        dtype,
+        seed=head_dim + block_size,
+        portable=portable,
+    )
 
 
 @pytest.mark.parametrize("window", [1, 5, 16, 33, 100])
 @pytest.mark.parametrize("lens", [LENS, MANY_LENS], ids=["few-rows", "many-rows"])
-def test_decode_sliding_window(window: int, lens) -> None:
-    _check_decode(lens, 4, 2, 32, 8, torch.float32, seed=window, window=window)
+@pytest.mark.parametrize("portable", [False, True], ids=["fast", "portable"])
+def test_decode_sliding_window(window: int, lens, portable: bool) -> None:
+    _check_decode(lens, 4, 2, 32, 8, torch.float32, seed=window, window=window, portable=portable)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("softcap", [0.5, 30.0])
-def test_decode_softcap_and_window(dtype: torch.dtype, softcap: float) -> None:
-    _check_decode(MANY_LENS, 4, 1, 32, 16, dtype, seed=3, softcap=softcap)
-    _check_decode(LENS, 8, 2, 32, 16, dtype, seed=4, window=20, softcap=softcap)
+@pytest.mark.parametrize("portable", [False, True], ids=["fast", "portable"])
+def test_decode_softcap_and_window(dtype: torch.dtype, softcap: float, portable: bool) -> None:
+    _check_decode(MANY_LENS, 4, 1, 32, 16, dtype, seed=3, softcap=softcap, portable=portable)
+    _check_decode(LENS, 8, 2, 32, 16, dtype, seed=4, window=20, softcap=softcap, portable=portable)
 
 
 def test_decode_float16_falls_back_to_reference() -> None:

@@ -1,11 +1,14 @@
-"""Paged-KV kernels for CPU, written in C, compiled on first use and called through ctypes.
+"""CPU kernels written in C, compiled on first use and called through ctypes.
 
-``csrc/cpu_paged.c`` is compiled with the system C compiler (``$CC``, else ``cc``) into
+``csrc/cpu_paged.c`` (paged decode attention, KV store) and ``csrc/cpu_fused.c`` (residual add +
+RMSNorm, rotary embedding, SiLU-and-multiply for :mod:`cbgen.model.fused_decode`) are compiled with the system C compiler (``$CC``, else ``cc``) into
 ``~/.cache/cbgen/kernels`` (``$CBGEN_KERNEL_DIR`` overrides), keyed by a hash of the source, the
 flags and this CPU's feature flags, because ``-march=native`` code must not run on another CPU.
 No compiler, or a failed build, leaves :func:`available` false and the torch reference in use.
 
-Both kernels are registered as torch custom ops, so ``torch.compile`` treats them as opaque calls.
+The two paged kernels are also registered as torch custom ops, so ``torch.compile`` treats them as
+opaque calls; the fused path is eager only and calls every kernel directly (a custom op costs tens of
+microseconds of dispatch, a ctypes call a few).
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ from cbgen.model import paged_ops
 
 log = logging.getLogger("cbgen")
 
-_SOURCE = Path(__file__).parent / "csrc" / "cpu_paged.c"
+_SOURCES = [Path(__file__).parent / "csrc" / name for name in ("cpu_paged.c", "cpu_fused.c")]
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=c11"]
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 
@@ -54,7 +57,7 @@ def _build() -> ctypes.CDLL:
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if not compiler:
         raise RuntimeError("no C compiler found (set CC)")
-    source = _SOURCE.read_bytes()
+    source = b"".join(path.read_bytes() for path in _SOURCES)
     key = hashlib.sha256(source + " ".join([compiler, *_FLAGS]).encode() + _cpu_signature().encode())
     target = _cache_dir() / f"cpu_paged-{key.hexdigest()[:16]}.so"
     if not target.exists():
@@ -63,7 +66,7 @@ def _build() -> ctypes.CDLL:
         with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
             out = Path(tmp) / target.name
             proc = subprocess.run(
-                [compiler, *_FLAGS, str(_SOURCE), "-o", str(out), "-lm"],
+                [compiler, *_FLAGS, *map(str, _SOURCES), "-o", str(out), "-lm"],
                 capture_output=True,
                 text=True,
                 timeout=120,
@@ -91,10 +94,16 @@ def _build() -> ctypes.CDLL:
         i64,
         f32,
         i32,
+        i32,
     ]
     lib.cbgen_paged_decode.restype = i32
     lib.cbgen_store_kv.argtypes = [ptr, ptr, ptr, ptr, ptr, i64, i64, i32]
     lib.cbgen_store_kv.restype = i32
+    lib.cbgen_add_rmsnorm.argtypes = [ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, f32, i32]
+    lib.cbgen_rope.argtypes = [ptr, ptr, ptr, ptr, i64, i32, i32, i32, i64, i64, i32]
+    lib.cbgen_silu_mul.argtypes = [ptr, ptr, ptr, i64, i64, i64, i64, i64, i32]
+    for fn in (lib.cbgen_add_rmsnorm, lib.cbgen_rope, lib.cbgen_silu_mul):
+        fn.restype = i32
     return lib
 
 
@@ -131,7 +140,25 @@ def _decode_op(
     scale: float,
     window: int,
     softcap: float,
+    portable: bool,
 ) -> torch.Tensor:
+    return decode_direct(query, k_cache, v_cache, block_table, seq_lens, scale, window, softcap, portable)
+
+
+def decode_direct(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    window: int,
+    softcap: float,
+    portable: bool = False,
+) -> torch.Tensor:
+    """The decode kernel without the custom-op layer: contiguous ``query [B, H, D]`` of the cache's
+    dtype, int32 ``block_table``/``seq_lens``; ``window``/``softcap`` 0 = off.  ``portable`` forces the
+    plain C loops instead of the AVX-512 ones (for tests)."""
     out = torch.empty_like(query)
     num_rows, heads, dim = query.shape
     rc = _lib.cbgen_paged_decode(
@@ -151,6 +178,7 @@ def _decode_op(
         window,
         softcap,
         _DTYPES[query.dtype],
+        1 if portable else 0,
     )
     if rc:
         raise RuntimeError(f"cbgen_paged_decode failed with code {rc}")
@@ -158,7 +186,7 @@ def _decode_op(
 
 
 @_decode_op.register_fake
-def _(query, k_cache, v_cache, block_table, seq_lens, scale, window, softcap):
+def _(query, k_cache, v_cache, block_table, seq_lens, scale, window, softcap, portable):
     return torch.empty_like(query)
 
 
@@ -166,6 +194,14 @@ def _(query, k_cache, v_cache, block_table, seq_lens, scale, window, softcap):
 def _store_op(
     key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor
 ) -> None:
+    store_direct(key, value, k_cache, v_cache, slots)
+
+
+def store_direct(
+    key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor
+) -> None:
+    """The KV store without the custom-op layer: contiguous ``key``/``value`` of the cache's dtype,
+    int64 ``slots``."""
     row = k_cache.shape[-2] * k_cache.shape[-1]
     _lib.cbgen_store_kv(
         key.data_ptr(),
@@ -189,8 +225,10 @@ def paged_decode_attention(
     sliding_window: int | None = None,
     softcap: float | None = None,
     max_seq_len: int | None = None,
+    portable: bool = False,
 ) -> torch.Tensor:
-    """Same contract as :func:`cbgen.model.paged_ops.paged_decode_attention`, reading KV in place."""
+    """Same contract as :func:`cbgen.model.paged_ops.paged_decode_attention`, reading KV in place
+    (``portable``: see :func:`decode_direct`)."""
     if query.dtype != k_cache.dtype or not supports(k_cache.dtype):
         return paged_ops.paged_decode_attention(
             query, k_cache, v_cache, block_table, seq_lens, scale, sliding_window, softcap, max_seq_len
@@ -204,6 +242,7 @@ def paged_decode_attention(
         float(scale),
         int(sliding_window or 0),
         float(softcap or 0.0),
+        bool(portable),
     )
 
 
@@ -222,3 +261,65 @@ def store_kv(
         v_cache,
         slot_mapping.to(torch.int64).contiguous(),
     )
+
+
+# ---------------------------------------------------------------------------------------- fused ops
+# Row-major 2-D views (any row stride, unit column stride) of a float32/bfloat16 dtype; the caller
+# (fused_decode) guarantees both, so these only move pointers.
+
+
+def add_rmsnorm(
+    x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float, out: torch.Tensor
+) -> torch.Tensor:
+    """``x += delta`` (skipped when ``delta`` is None), then ``out = weight * rmsnorm(x)``, row-wise."""
+    rows, n = x.shape
+    _lib.cbgen_add_rmsnorm(
+        x.data_ptr(),
+        None if delta is None else delta.data_ptr(),
+        weight.data_ptr(),
+        out.data_ptr(),
+        rows,
+        n,
+        x.stride(0),
+        0 if delta is None else delta.stride(0),
+        out.stride(0),
+        eps,
+        _DTYPES[x.dtype],
+    )
+    return out
+
+
+def rope_(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, head_dim: int) -> None:
+    """Rotate-half rotary embedding in place on ``q [T, H*D]`` and ``k [T, Hk*D]`` (``cos``/``sin``
+    contiguous ``[T, D]``)."""
+    tokens = q.shape[0]
+    _lib.cbgen_rope(
+        q.data_ptr(),
+        k.data_ptr(),
+        cos.data_ptr(),
+        sin.data_ptr(),
+        tokens,
+        q.shape[1] // head_dim,
+        k.shape[1] // head_dim,
+        head_dim,
+        q.stride(0),
+        k.stride(0),
+        _DTYPES[q.dtype],
+    )
+
+
+def silu_mul(gate: torch.Tensor, up: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """``out = silu(gate) * up`` row-wise."""
+    rows, n = gate.shape
+    _lib.cbgen_silu_mul(
+        gate.data_ptr(),
+        up.data_ptr(),
+        out.data_ptr(),
+        rows,
+        n,
+        gate.stride(0),
+        up.stride(0),
+        out.stride(0),
+        _DTYPES[gate.dtype],
+    )
+    return out

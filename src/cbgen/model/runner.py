@@ -9,14 +9,19 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 from collections.abc import Iterator
 
 import torch
 
 from cbgen.model import attention
+from cbgen.model import fused_decode as fused_decode_mod
+from cbgen.model.fused_decode import FusedDecoder
 from cbgen.model.graphs import StaticDecodeRunner
 from cbgen.model.input_batch import ModelInput
 from cbgen.model.kv_cache import KVCache
+
+log = logging.getLogger("cbgen")
 
 
 def _attention_configs(model: torch.nn.Module) -> list:
@@ -142,6 +147,8 @@ class ModelRunner:
         enforce_eager: bool | None = None,
         compile: bool = False,
         cuda_graph_max_batch: int | None = None,
+        fused_decode: bool = False,
+        prepack_weights: bool = False,
     ) -> None:
         self.model = model
         self.kv_cache = kv_cache
@@ -192,6 +199,14 @@ class ModelRunner:
                 backend=backend,
                 use_cuda_graphs=use_graphs,
             )
+        # Eager CPU decode steps of Llama-family models: fused C kernels (falls back per step).
+        self.fused: FusedDecoder | None = None
+        if fused_decode and backend == "cpu" and self.static is None:
+            reason = fused_decode_mod.unsupported_reason(model)
+            if reason is None:
+                self.fused = FusedDecoder(model, prepack=prepack_weights)
+            else:
+                log.info("cbgen: fused CPU decode not used: %s", reason)
 
     def _forward(
         self,
@@ -259,12 +274,22 @@ class ModelRunner:
         with self._paged_mode():
             if self.static is not None and self.static.can_run(batch):
                 return self.static.run(batch)
+            if self.fused is not None and not meta.prefills:
+                logits = self.fused.forward(batch.input_ids, batch.positions, batch.logits_indices, meta)
+                if logits is not None:
+                    return logits
             return self._forward(batch.input_ids, batch.positions, batch.logits_indices, meta)
 
+    def weights_changed(self) -> None:
+        """Drops anything derived from the weights (the fused path's packed copies)."""
+        if self.fused is not None:
+            self.fused.weights_changed()
+
     def release(self) -> None:
-        """Drops graphs and static buffers (the KV cache is released by its owner)."""
+        """Drops graphs, static buffers and packed weights (the KV cache is released by its owner)."""
         if self.static is not None:
             self.static.release()
+        self.weights_changed()
 
     def resume(self) -> None:
         """Re-creates what :meth:`release` dropped."""

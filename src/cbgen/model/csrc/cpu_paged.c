@@ -50,6 +50,27 @@ static inline const float *as_f32(const void *base, int64_t off, int n, int dtyp
     return buf;
 }
 
+/* exp(x) for the softmax (x <= 0: scores minus their maximum), written so loops over it vectorise:
+ * 2^k * 2^f with k = round(x log2 e) and |f| <= 1/2, 2^f by its Taylor series to degree 6 (relative
+ * error ~1e-7, float32's own precision).  libm's expf is scalar here and was a third of the kernel. */
+static inline float softmax_exp(float x) {
+    x = x < -87.0f ? -87.0f : x;
+    const float t = x * 1.44269504088896341f;
+    const float k = nearbyintf(t);
+    const float f = (t - k) * 0.69314718055994531f;
+    float p = 1.0f / 720.0f;
+    p = p * f + 1.0f / 120.0f;
+    p = p * f + 1.0f / 24.0f;
+    p = p * f + 1.0f / 6.0f;
+    p = p * f + 0.5f;
+    p = p * f + 1.0f;
+    p = p * f + 1.0f;
+    const int32_t bits = ((int32_t)k + 127) << 23;
+    float scale;
+    memcpy(&scale, &bits, sizeof scale);
+    return p * scale;
+}
+
 /* Attention of row b's new token, query heads of kv heads [h0, h1).  Tokens are walked block by
  * block, and every head of a token is read in one contiguous run, so the cache streams in order. */
 static void decode_task(const void *q, const void *kc, const void *vc, const int32_t *table, int64_t n,
@@ -61,6 +82,8 @@ static void decode_task(const void *q, const void *kc, const void *vc, const int
     float *qf = ws, *acc = qf + (size_t)R * D, *rowbuf = acc + (size_t)R * D, *scores = rowbuf + (size_t)nh * D;
     const float *qsrc = as_f32(q, (b * H + (int64_t)h0 * G) * D, R * D, dtype, qf);
     for (int i = 0; i < R * D; ++i) qf[i] = qsrc[i] * scale;
+    int kv_of[512];
+    for (int r = 0; r < R && r < 512; ++r) kv_of[r] = r / G;
 
     for (int pass = 0; pass < 2; ++pass) {
         const void *cache = pass == 0 ? kc : vc;
@@ -70,8 +93,10 @@ static void decode_task(const void *q, const void *kc, const void *vc, const int
             const int64_t first = ((int64_t)table[j / bs] * bs + off) * tok_stride + (int64_t)h0 * D;
             for (int64_t t = 0; t < cnt; ++t, ++j) {
                 const float *row = as_f32(cache, first + t * tok_stride, nh * D, dtype, rowbuf);
+                /* Nested over (kv head, query head of its group): an r / G here costs a division per
+                 * head and token, which was most of the kernel's time. */
                 for (int r = 0; r < R; ++r) {
-                    const float *x = row + (r / G) * D;
+                    const float *x = row + (int64_t)kv_of[r] * D;
                     if (pass == 0) {
                         const float *qr = qf + (size_t)r * D;
                         float s = 0.f;
@@ -93,12 +118,15 @@ static void decode_task(const void *q, const void *kc, const void *vc, const int
             for (int r = 0; r < R; ++r) {
                 float *sr = scores + (size_t)r * cap;
                 float m = -INFINITY, sum = 0.f;
+#pragma omp simd reduction(max : m)
                 for (int64_t i = 0; i < L; ++i) m = sr[i] > m ? sr[i] : m;
+#pragma omp simd reduction(+ : sum)
                 for (int64_t i = 0; i < L; ++i) {
-                    sr[i] = expf(sr[i] - m);
+                    sr[i] = softmax_exp(sr[i] - m);
                     sum += sr[i];
                 }
                 const float inv = 1.f / sum;
+#pragma omp simd
                 for (int64_t i = 0; i < L; ++i) sr[i] *= inv;
             }
         }
@@ -111,10 +139,150 @@ static void decode_task(const void *q, const void *kc, const void *vc, const int
     }
 }
 
+#if defined(__AVX512F__)
+#include <immintrin.h>
+
+/* 16 cache or query elements as float32 (bfloat16 widened by a shift: AVX512F only). */
+static inline __attribute__((always_inline)) __m512 ld16(const void *base, int64_t off, const int dtype) {
+    if (dtype == 0) return _mm512_loadu_ps((const float *)base + off);
+    const __m256i h = _mm256_loadu_si256((const __m256i *)((const uint16_t *)base + off));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+/* softmax_exp on 16 lanes: p(f) * 2^k through scalef. */
+static inline __m512 softmax_exp16(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+    const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
+    const __m512 k = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512 f = _mm512_mul_ps(_mm512_sub_ps(t, k), _mm512_set1_ps(0.69314718055994531f));
+    __m512 p = _mm512_set1_ps(1.0f / 720.0f);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 120.0f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 24.0f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 6.0f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.5f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(p, k);
+}
+
+/* In place: s = softmax(s) over n values. */
+static inline void softmax16(float *s, int64_t n) {
+    if (n <= 0) return;
+    __m512 mv = _mm512_set1_ps(-INFINITY);
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16) mv = _mm512_max_ps(mv, _mm512_loadu_ps(s + i));
+    const __mmask16 tail = (__mmask16)((1u << (n - i)) - 1u);
+    if (n - i) mv = _mm512_mask_max_ps(mv, tail, mv, _mm512_maskz_loadu_ps(tail, s + i));
+    const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(mv));
+    __m512 sum = _mm512_setzero_ps();
+    for (i = 0; i + 16 <= n; i += 16) {
+        const __m512 e = softmax_exp16(_mm512_sub_ps(_mm512_loadu_ps(s + i), m));
+        _mm512_storeu_ps(s + i, e);
+        sum = _mm512_add_ps(sum, e);
+    }
+    if (n - i) {
+        const __m512 e = softmax_exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(tail, s + i), m));
+        _mm512_mask_storeu_ps(s + i, tail, e);
+        sum = _mm512_add_ps(sum, _mm512_maskz_mov_ps(tail, e));
+    }
+    const __m512 inv = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(sum));
+    for (i = 0; i + 16 <= n; i += 16) _mm512_storeu_ps(s + i, _mm512_mul_ps(_mm512_loadu_ps(s + i), inv));
+    if (n - i) _mm512_mask_storeu_ps(s + i, tail, _mm512_mul_ps(_mm512_maskz_loadu_ps(tail, s + i), inv));
+}
+
+/* decode_task for D % 16 == 0 (D <= 256) with AVX-512.  Per kv head, the keys (then the values) are
+ * walked block by block; each block's rows are read from memory once and then serve the G query
+ * heads of the group from L1, with that head's query (or output accumulator) held in registers.
+ * No division per token or block, and horizontal work only for one reduction per score: in the
+ * portable loops those, and re-reading keys per query head, were most of the time.
+ * ws: G*D scaled queries, G*D accumulators, G*cap scores. */
+static inline __attribute__((always_inline)) void decode_task_avx512(
+    const void *q, const void *kc, const void *vc, const int32_t *table, int64_t n, int64_t b, int h0, int h1,
+    int H, int Hkv, const int D, int bs, float scale, int64_t window, float softcap, const int dtype, void *out,
+    float *ws, int64_t cap) {
+    const int G = H / Hkv, nv = D / 16;
+    const int64_t tok_stride = (int64_t)Hkv * D;
+    const int64_t start = (window > 0 && n > window) ? n - window : 0, L = n - start;
+    float *qf = ws, *acc = ws + (size_t)G * D, *scores = acc + (size_t)G * D;
+    for (int h = h0; h < h1; ++h) {
+        const int64_t q0 = (b * H + (int64_t)h * G) * D;
+        for (int g = 0; g < G; ++g)
+            for (int i = 0; i < nv; ++i)
+                _mm512_storeu_ps(qf + g * D + i * 16,
+                                 _mm512_mul_ps(ld16(q, q0 + g * D + i * 16, dtype), _mm512_set1_ps(scale)));
+        for (int64_t j = start, blk = start / bs, off = start % bs; j < n; ++blk, off = 0) {
+            const int64_t cnt = (bs - off) < (n - j) ? (bs - off) : (n - j);
+            const int64_t first = ((int64_t)table[blk] * bs + off) * tok_stride + (int64_t)h * D;
+            for (int g = 0; g < G; ++g) {
+                __m512 qv[16];
+                for (int i = 0; i < nv; ++i) qv[i] = _mm512_loadu_ps(qf + g * D + i * 16);
+                float *sg = scores + (size_t)g * cap + (j - start);
+                for (int64_t t = 0; t < cnt; ++t) {
+                    const int64_t o = first + t * tok_stride;
+                    __m512 sv = _mm512_mul_ps(qv[0], ld16(kc, o, dtype));
+                    for (int i = 1; i < nv; ++i) sv = _mm512_fmadd_ps(qv[i], ld16(kc, o + i * 16, dtype), sv);
+                    float sc = _mm512_reduce_add_ps(sv);
+                    if (softcap > 0.f) sc = tanhf(sc / softcap) * softcap;
+                    sg[t] = sc;
+                }
+            }
+            j += cnt;
+        }
+        for (int g = 0; g < G; ++g) softmax16(scores + (size_t)g * cap, L);
+        memset(acc, 0, sizeof(float) * (size_t)G * D);
+        for (int64_t j = start, blk = start / bs, off = start % bs; j < n; ++blk, off = 0) {
+            const int64_t cnt = (bs - off) < (n - j) ? (bs - off) : (n - j);
+            const int64_t first = ((int64_t)table[blk] * bs + off) * tok_stride + (int64_t)h * D;
+            for (int g = 0; g < G; ++g) {
+                __m512 av[16];
+                for (int i = 0; i < nv; ++i) av[i] = _mm512_loadu_ps(acc + g * D + i * 16);
+                const float *pg = scores + (size_t)g * cap + (j - start);
+                for (int64_t t = 0; t < cnt; ++t) {
+                    const int64_t o = first + t * tok_stride;
+                    const __m512 pv = _mm512_set1_ps(pg[t]);
+                    for (int i = 0; i < nv; ++i) av[i] = _mm512_fmadd_ps(pv, ld16(vc, o + i * 16, dtype), av[i]);
+                }
+                for (int i = 0; i < nv; ++i) _mm512_storeu_ps(acc + g * D + i * 16, av[i]);
+            }
+            j += cnt;
+        }
+        if (dtype == 0) {
+            memcpy((float *)out + q0, acc, sizeof(float) * (size_t)G * D);
+        } else {
+            for (int i = 0; i < G * D; ++i) ((uint16_t *)out)[q0 + i] = f32_to_bf16(acc[i]);
+        }
+    }
+}
+
+/* Specialised copies for the common head sizes and both dtypes, so the D loops unroll. */
+static void decode_task_fast(const void *q, const void *kc, const void *vc, const int32_t *table, int64_t n,
+                             int64_t b, int h0, int h1, int H, int Hkv, int D, int bs, float scale,
+                             int64_t window, float softcap, int dtype, void *out, float *ws, int64_t cap) {
+#define CB_CALL(DD, DT) \
+    decode_task_avx512(q, kc, vc, table, n, b, h0, h1, H, Hkv, DD, bs, scale, window, softcap, DT, out, ws, cap)
+    if (dtype == 0) {
+        if (D == 64) CB_CALL(64, 0);
+        else if (D == 128) CB_CALL(128, 0);
+        else CB_CALL(D, 0);
+    } else {
+        if (D == 64) CB_CALL(64, 1);
+        else if (D == 128) CB_CALL(128, 1);
+        else CB_CALL(D, 1);
+    }
+#undef CB_CALL
+}
+#define CB_HAVE_FAST 1
+#else
+#define CB_HAVE_FAST 0
+#endif
+
+/* impl: 0 = the fastest this build has, 1 = the portable loops (tests compare the two). */
 int cbgen_paged_decode(const void *q, const void *kc, const void *vc, const int32_t *block_table,
                        int64_t table_stride, const int32_t *seq_lens, void *out, int64_t B, int H,
-                       int Hkv, int D, int bs, float scale, int64_t window, float softcap, int dtype) {
-    if (H % Hkv != 0 || dtype < 0 || dtype > 1) return 1;
+                       int Hkv, int D, int bs, float scale, int64_t window, float softcap, int dtype,
+                       int impl) {
+    if (H % Hkv != 0 || dtype < 0 || dtype > 1 || H > 512) return 1;
+    const int fast = CB_HAVE_FAST && impl == 0 && D % 16 == 0 && D <= 256;
     /* Whole rows per task when there are enough rows to keep every thread busy (sequential reads);
      * otherwise one task per kv head. */
     const int split = B >= 16 ? 1 : Hkv;
@@ -134,6 +302,13 @@ int cbgen_paged_decode(const void *q, const void *kc, const void *vc, const int3
             if (!ws) continue;
             const int64_t b = task / split;
             const int h0 = (int)(task % split) * per;
+#if CB_HAVE_FAST
+            if (fast) {
+                decode_task_fast(q, kc, vc, block_table + b * table_stride, seq_lens[b], b, h0, h0 + per, H,
+                                 Hkv, D, bs, scale, window, softcap, dtype, out, ws, cap);
+                continue;
+            }
+#endif
             decode_task(q, kc, vc, block_table + b * table_stride, seq_lens[b], b, h0, h0 + per, H, Hkv, D,
                         bs, scale, window, softcap, dtype, out, ws, cap);
         }

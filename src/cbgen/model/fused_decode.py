@@ -1,0 +1,284 @@
+"""A fused eager forward of Llama-family models for CPU decode steps.
+
+Why: at decode, a step of a small model on the CPU spends about a third of its time in the ~50
+small torch ops each transformers decoder layer issues (norms, rotary embedding, activation,
+residual adds, views), each paying dispatch and a pass over memory.  This forward runs the same
+math as the transformers modules with the C kernels of :mod:`cbgen.model.cpu_kernels`: per layer,
+the seven projections (torch matmuls), one residual-add + RMSNorm after attention and one after the
+MLP, one rotary call for q and k, the paged KV store and decode attention, and one SiLU-and-multiply.
+
+It reads the user's modules and weights live at every step (no copies, nothing to invalidate), and
+it only runs where it computes exactly what the model would: the classes are on an allow list of
+known Llama-family implementations (Llama, Mistral, Qwen2, Qwen3), every projection is a plain
+``nn.Linear`` (a PEFT-wrapped layer is not), and no module has hooks.  Anything else, and every step
+with prefill tokens, takes the transformers path.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from cbgen.model import cpu_kernels
+from cbgen.model.attention import AttentionMetadata
+
+_FAMILIES = ("Llama", "Mistral", "Qwen2", "Qwen3")
+_LAYER = {f"{f}DecoderLayer" for f in _FAMILIES}
+_ATTN = {f"{f}Attention" for f in _FAMILIES}
+_MLP = {f"{f}MLP" for f in _FAMILIES}
+_NORM = {f"{f}RMSNorm" for f in _FAMILIES}
+_ROTARY = {f"{f}RotaryEmbedding" for f in _FAMILIES}
+_PROJ = ("q_proj", "k_proj", "v_proj", "o_proj")
+_MLP_PROJ = ("gate_proj", "up_proj", "down_proj")
+
+
+def unsupported_reason(model: nn.Module) -> str | None:
+    """Why :class:`FusedDecoder` cannot run ``model`` as it is now (None when it can)."""
+    reason = _structure_reason(model)
+    if reason is None and _any_hooks(model):
+        return "forward hooks are registered"
+    return reason
+
+
+def _structure_reason(model: nn.Module) -> str | None:
+    config = getattr(model, "config", None)
+    inner = getattr(model, "model", None)
+    if config is None or inner is None or not isinstance(getattr(model, "lm_head", None), nn.Linear):
+        return "not a *ForCausalLM with .model and a plain .lm_head"
+    if type(model).__name__ not in {f"{f}ForCausalLM" for f in _FAMILIES}:
+        return f"{type(model).__name__} is not on the fused path's allow list"
+    if getattr(config, "hidden_act", None) not in ("silu", "swish"):
+        return f"activation {getattr(config, 'hidden_act', None)!r} is not SiLU"
+    if getattr(config, "pretraining_tp", 1) != 1:
+        return "pretraining_tp != 1"
+    if getattr(config, "final_logit_softcapping", None):
+        return "logit soft-capping"
+    dtype = model.lm_head.weight.dtype
+    if not cpu_kernels.supports(dtype) or model.lm_head.weight.device.type != "cpu":
+        return f"needs float32 or bfloat16 weights on the CPU (got {dtype}, {model.lm_head.weight.device})"
+    if type(getattr(inner, "embed_tokens", None)) is not nn.Embedding:
+        return "embeddings are not a plain nn.Embedding"
+    if type(getattr(inner, "rotary_emb", None)).__name__ not in _ROTARY:
+        return "unknown rotary embedding"
+    if type(getattr(inner, "norm", None)).__name__ not in _NORM:
+        return "unknown final norm"
+    for layer in inner.layers[: config.num_hidden_layers]:
+        reason = _layer_reason(layer)
+        if reason is not None:
+            return reason
+    return None
+
+
+def _layer_reason(layer: nn.Module) -> str | None:
+    attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
+    if (
+        type(layer).__name__ not in _LAYER
+        or type(attn).__name__ not in _ATTN
+        or type(mlp).__name__ not in _MLP
+    ):
+        return f"layer {type(layer).__name__} is not on the allow list"
+    for name in ("input_layernorm", "post_attention_layernorm"):
+        if type(getattr(layer, name, None)).__name__ not in _NORM:
+            return f"unknown {name}"
+    for name in _PROJ:
+        if type(getattr(attn, name, None)) is not nn.Linear:
+            return f"self_attn.{name} is {type(getattr(attn, name, None)).__name__}, not nn.Linear"
+    for name in _MLP_PROJ:
+        if type(getattr(mlp, name, None)) is not nn.Linear:
+            return f"mlp.{name} is {type(getattr(mlp, name, None)).__name__}, not nn.Linear"
+    for name in ("q_norm", "k_norm"):
+        norm = getattr(attn, name, None)
+        if norm is not None and type(norm).__name__ not in _NORM:
+            return f"unknown self_attn.{name}"
+    if attn.head_dim > 512 or attn.head_dim % 2:
+        return "head_dim must be even and at most 512"
+    return None
+
+
+def _window(attn: nn.Module) -> int:
+    # Mistral reads its window from the config at call time; Qwen2/3 store it per layer; Llama has none.
+    if type(attn).__name__.startswith("Mistral"):
+        return int(getattr(attn.config, "sliding_window", None) or 0)
+    return int(getattr(attn, "sliding_window", None) or 0)
+
+
+def _any_hooks(model: nn.Module) -> bool:
+    # Hooks see (and may change) module inputs and outputs, which the fused path never produces.
+    glob = nn.modules.module
+    if glob._global_forward_hooks or glob._global_forward_pre_hooks:
+        return True
+    return any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())
+
+
+def _contiguous_weights(model: nn.Module) -> bool:
+    return all(p.is_contiguous() for p in model.parameters())
+
+
+def _pack_ops(dtype: torch.dtype):
+    """(pack, apply) for weights the CPU BLAS reorders once instead of at every call, or None.
+
+    float32 goes to MKL's packed GEMM, bfloat16 to oneDNN's (AMX where the CPU has it).  Both give
+    results identical to ``F.linear`` (they run the same kernels without the per-call reorder).
+    """
+    try:
+        if dtype == torch.float32 and torch._C.has_mkl:
+            mkl = torch.ops.mkl
+            return (
+                lambda w: mkl._mkl_reorder_linear_weight(w, _PACK_ROWS),
+                lambda x, packed, w, b: mkl._mkl_linear(x, packed, w, b, _PACK_ROWS),
+            )
+        if dtype == torch.bfloat16 and torch.backends.mkldnn.is_available():
+            dnn = torch.ops.mkldnn
+            if dnn._is_mkldnn_bf16_supported():
+                return (
+                    lambda w: dnn._reorder_linear_weight(w, _PACK_ROWS),
+                    lambda x, packed, w, b: dnn._linear_pointwise(x, packed, b, "none", [], ""),
+                )
+    except (AttributeError, RuntimeError):
+        pass
+    return None
+
+
+_PACK_ROWS = 64  # a row-count hint for the packing; the results are exact for any row count
+
+
+class PackedLinears:
+    """Pre-packed copies of linear weights, each rebuilt when its weight changes.
+
+    A weight is repacked when its tensor, version counter (in-place updates, optimizer steps) or
+    storage (``.data =`` / ``load_state_dict``) differs from what was packed; :meth:`clear` covers
+    writes no counter sees (through ``.data``), via ``notify_weights_updated``.  Costs one extra
+    copy of every projection weight.
+    """
+
+    def __init__(self, dtype: torch.dtype, enabled: bool = True) -> None:
+        self._ops = _pack_ops(dtype) if enabled else None
+        self._cache: dict[int, tuple[torch.Tensor, int, int, torch.Tensor]] = {}
+
+    @property
+    def enabled(self) -> bool:
+        """Whether this torch build can pack weights of the dtype."""
+        return self._ops is not None
+
+    def clear(self) -> None:
+        """Drops every packed copy (they are rebuilt on the next use)."""
+        self._cache.clear()
+
+    def __call__(self, x: torch.Tensor, module: nn.Linear) -> torch.Tensor:
+        w = module.weight
+        if self._ops is None:
+            return F.linear(x, w, module.bias)
+        entry = self._cache.get(id(w))
+        if entry is None or entry[0] is not w or entry[1] != w._version or entry[2] != w.data_ptr():
+            try:
+                packed = self._ops[0](w.detach())
+            except RuntimeError:  # this build or CPU cannot: plain linears from now on
+                self._ops = None
+                self._cache.clear()
+                return F.linear(x, w, module.bias)
+            entry = (w, w._version, w.data_ptr(), packed)
+            self._cache[id(w)] = entry
+        return self._ops[1](x, entry[3], w, module.bias)
+
+
+class FusedDecoder:
+    """Runs decode-only steps of a supported model (see the module docstring) with fused CPU kernels.
+
+    :meth:`forward` returns ``None`` when the model stopped qualifying (an adapter was injected, a
+    hook registered, the dtype changed), so the caller falls back to the transformers path.  The
+    structure check runs when the set of modules or their parameters changes, which it notices from
+    the parameters' identities: cheap enough for every step.
+    """
+
+    def __init__(self, model: nn.Module, prepack: bool = True) -> None:
+        self.model = model
+        self._checked: tuple | None = None
+        self._ok = False
+        self._prepack = prepack
+        self._linear: PackedLinears | None = None
+
+    def weights_changed(self) -> None:
+        """Drops packed weight copies (call when weights changed in a way no version counter shows)."""
+        if self._linear is not None:
+            self._linear.clear()
+
+    def _still_ok(self) -> bool:
+        # Modules are swapped when adapters are injected, parameters when the model is cast or
+        # loaded; hooks are checked every step because registering one changes neither.
+        modules = list(self.model.modules())
+        glob = nn.modules.module
+        if glob._global_forward_hooks or glob._global_forward_pre_hooks:
+            return False
+        if any(m._forward_hooks or m._forward_pre_hooks for m in modules):
+            return False
+        key = tuple((id(m), type(m)) for m in modules) + tuple(
+            (id(p), p.dtype, p.data_ptr()) for p in self.model.parameters()
+        )
+        if key != self._checked:
+            self._checked = key
+            self._ok = _structure_reason(self.model) is None and _contiguous_weights(self.model)
+            self._linear = None  # modules or parameters changed: repack from scratch
+        return self._ok
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor | None:
+        """Logits ``[R, V]`` for ``rows`` of a decode-only packed batch, or ``None`` (use the model)."""
+        if meta.prefills or not cpu_kernels.available() or not self._still_ok():
+            return None
+        model = self.model
+        inner = model.model
+        layers = inner.layers[: model.config.num_hidden_layers]
+        dtype = model.lm_head.weight.dtype
+        if any(cache.dtype != dtype for cache, _ in meta.kv_caches):
+            return None
+        if self._linear is None:
+            self._linear = PackedLinears(dtype, enabled=self._prepack)
+        linear = self._linear
+        hidden = inner.embed_tokens(input_ids)
+        cos, sin = inner.rotary_emb(hidden[None], positions[None])
+        cos, sin = cos[0].contiguous(), sin[0].contiguous()
+        tokens = hidden.shape[0]
+        table = meta.decode_block_table.to(torch.int32).contiguous()
+        seq_lens = meta.decode_seq_lens.to(torch.int32).contiguous()
+        slots = meta.slot_mapping.to(torch.int64).contiguous()
+        x = torch.empty_like(hidden)
+        first = layers[0].input_layernorm
+        cpu_kernels.add_rmsnorm(hidden, None, first.weight, first.variance_epsilon, x)
+        for i, layer in enumerate(layers):
+            attn, mlp = layer.self_attn, layer.mlp
+            d = attn.head_dim
+            q = linear(x, attn.q_proj)
+            k = linear(x, attn.k_proj)
+            v = linear(x, attn.v_proj)
+            q_norm = getattr(attn, "q_norm", None)
+            if q_norm is not None:
+                qh, kh = q.view(-1, d), k.view(-1, d)
+                cpu_kernels.add_rmsnorm(qh, None, q_norm.weight, q_norm.variance_epsilon, qh)
+                cpu_kernels.add_rmsnorm(kh, None, attn.k_norm.weight, attn.k_norm.variance_epsilon, kh)
+            cpu_kernels.rope_(q, k, cos, sin, d)
+            k_cache, v_cache = meta.kv_caches[attn.layer_idx]
+            cpu_kernels.store_direct(k, v, k_cache, v_cache, slots)
+            heads = q.shape[1] // d
+            out = cpu_kernels.decode_direct(
+                q.view(tokens, heads, d),
+                k_cache,
+                v_cache,
+                table,
+                seq_lens,
+                float(attn.scaling),
+                _window(attn),
+                0.0,
+            )
+            delta = linear(out.view(tokens, -1), attn.o_proj)
+            norm = layer.post_attention_layernorm
+            cpu_kernels.add_rmsnorm(hidden, delta, norm.weight, norm.variance_epsilon, x)
+            gate = linear(x, mlp.gate_proj)
+            up = linear(x, mlp.up_proj)
+            act = cpu_kernels.silu_mul(gate, up, gate)
+            delta = linear(act, mlp.down_proj)
+            norm = layers[i + 1].input_layernorm if i + 1 < len(layers) else inner.norm
+            cpu_kernels.add_rmsnorm(hidden, delta, norm.weight, norm.variance_epsilon, x)
+        picked = x.index_select(0, rows)
+        return linear(picked, model.lm_head)

@@ -1,0 +1,192 @@
+"""The fused CPU decode path (``cbgen.model.fused_decode``): same tokens and logprobs as the
+transformers module tree, used only where it applies, and left the moment a model stops qualifying."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from cbgen import LLM, SamplingParams
+from cbgen.model import cpu_kernels, fused_decode
+from cbgen.model.fused_decode import FusedDecoder
+from oracle import compare, hf_greedy
+from tiny_models import make_model, make_prompts
+
+pytestmark = pytest.mark.skipif(
+    not cpu_kernels.available(), reason=f"C kernels unavailable: {cpu_kernels.unavailable_reason()}"
+)
+
+CASES = {
+    "llama-bias": ("llama", {"attention_bias": True, "mlp_bias": True}),
+    "mistral-window": ("mistral", {"sliding_window": 24}),
+    "qwen2": ("qwen2", {}),
+    "qwen3": ("qwen3", {}),
+}
+GREEDY = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True, logprobs=5)
+
+
+def _count_fused(monkeypatch) -> list[int]:
+    """Counts decode steps the fused path actually computed (returned logits for)."""
+    calls = [0]
+    original = FusedDecoder.forward
+
+    def counting(self, *args, **kwargs):
+        out = original(self, *args, **kwargs)
+        calls[0] += out is not None
+        return out
+
+    monkeypatch.setattr(FusedDecoder, "forward", counting)
+    return calls
+
+
+def _run(model, prompts, params=GREEDY, **kwargs):
+    llm = LLM(model, block_size=8, **kwargs)
+    return [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
+
+
+def _top_logprobs(out) -> list[dict[int, float]]:
+    return out.top_logprobs
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_fused_matches_generate_and_module_path(case, monkeypatch) -> None:
+    arch, overrides = CASES[case]
+    model = make_model(arch, **overrides)
+    assert fused_decode.unsupported_reason(model) is None
+    prompts = make_prompts(10, lengths=(3, 60))
+    calls = _count_fused(monkeypatch)
+    fused = _run(model, prompts)
+    assert calls[0] >= 25  # every decode-only step went through the fused path
+    compare(model, prompts, [o.token_ids for o in fused], [hf_greedy(model, p, 30) for p in prompts])
+    calls[0] = 0
+    plain = _run(model, prompts, fused_decode=False)
+    assert calls[0] == 0
+    for a, b in zip(fused, plain):
+        assert a.token_ids == b.token_ids
+        for sa, sb in zip(_top_logprobs(a), _top_logprobs(b)):
+            assert sa.keys() == sb.keys()
+            for t in sa:
+                assert sa[t] == pytest.approx(sb[t], abs=1e-5)
+
+
+def test_bf16_close_to_module_path(monkeypatch) -> None:
+    """bf16 rounds differently in fused kernels (once instead of per op): the second token's top
+    logprobs (the first decode step; the first token comes from the shared prefill) stay close."""
+    model = make_model("llama", dtype=torch.bfloat16)
+    prompts = make_prompts(6, lengths=(5, 40))
+    params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True, logprobs=3)
+    calls = _count_fused(monkeypatch)
+    fused = _run(model, prompts, params)
+    assert calls[0] >= 1
+    plain = _run(model, prompts, params, fused_decode=False)
+    for a, b in zip(fused, plain):
+        assert a.token_ids[0] == b.token_ids[0]
+        sa, sb = _top_logprobs(a)[1], _top_logprobs(b)[1]
+        top_b = max(sb, key=sb.get)
+        assert top_b in sa and sa[top_b] == pytest.approx(sb[top_b], abs=0.05)
+
+
+@pytest.mark.parametrize("arch", ["gemma2", "phi3", "olmo2", "qwen3_moe"])
+def test_other_architectures_are_not_fused(arch) -> None:
+    assert fused_decode.unsupported_reason(make_model(arch)) is not None
+
+
+def test_wrapped_projection_is_not_fused() -> None:
+    """A projection that is not a plain nn.Linear (what PEFT injects) keeps the module path."""
+
+    class Adapter(nn.Linear):
+        pass
+
+    model = make_model("llama")
+    old = model.model.layers[1].self_attn.v_proj
+    model.model.layers[1].self_attn.v_proj = Adapter(old.in_features, old.out_features, bias=False)
+    assert "not nn.Linear" in fused_decode.unsupported_reason(model)
+
+
+def test_hook_or_adapter_added_later_falls_back(monkeypatch) -> None:
+    """A hook registered, or a module swapped, after the engine started moves the next steps back to
+    the transformers path, and the output stays exact."""
+    model = make_model("llama")
+    prompts = make_prompts(4, lengths=(5, 30))
+    llm = LLM(model, block_size=8)
+    calls = _count_fused(monkeypatch)
+    seen = []
+    handle = model.model.layers[0].mlp.register_forward_hook(lambda m, i, o: seen.append(i[0].shape[1]))
+    try:
+        got = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+    finally:
+        handle.remove()
+    assert calls[0] == 0
+    assert seen.count(len(prompts)) >= 25  # the hook saw every decode step
+    compare(model, prompts, got, [hf_greedy(model, p, 30) for p in prompts])
+    llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert calls[0] >= 25  # hook removed: fused again
+    calls[0] = 0
+    attn = model.model.layers[0].self_attn
+    wrapped = type("Wrapped", (nn.Linear,), {})(attn.q_proj.in_features, attn.q_proj.out_features, bias=False)
+    wrapped.weight = attn.q_proj.weight
+    attn.q_proj = wrapped
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+    assert calls[0] == 0
+    compare(model, prompts, got, [hf_greedy(model, p, 30) for p in prompts])
+
+
+def _rotate_half_ref(t, cos, sin, heads):
+    tokens, d = cos.shape
+    t = t.view(tokens, heads, d)
+    half = torch.cat([-t[..., d // 2 :], t[..., : d // 2]], -1)
+    return (t * cos[:, None] + half * sin[:, None]).reshape(tokens, heads * d)
+
+
+def test_fused_kernels_match_torch() -> None:
+    gen = torch.Generator().manual_seed(0)
+    for dtype in (torch.float32, torch.bfloat16):
+        x = torch.randn(7, 96, generator=gen).to(dtype)
+        delta = torch.randn(7, 96, generator=gen).to(dtype)
+        w = torch.randn(96, generator=gen).to(dtype)
+        summed = x + delta
+        h = summed.float()
+        ref = w * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)).to(dtype)
+        out = torch.empty(7, 200, dtype=dtype)[:, :96]  # strided output rows
+        xx = x.clone()
+        cpu_kernels.add_rmsnorm(xx, delta, w, 1e-6, out)
+        assert torch.equal(xx, summed)
+        torch.testing.assert_close(out, ref, atol=1e-5 if dtype == torch.float32 else 1e-2, rtol=1e-5)
+        # rotate-half rotary embedding over q [T, 3*D] and k [T, 1*D]
+        d = 32
+        q = torch.randn(5, 3 * d, generator=gen).to(dtype)
+        k = torch.randn(5, d, generator=gen).to(dtype)
+        ang = torch.randn(5, d // 2, generator=gen)
+        cos, sin = torch.cat([ang.cos()] * 2, -1).to(dtype), torch.cat([ang.sin()] * 2, -1).to(dtype)
+
+        rq, rk = _rotate_half_ref(q, cos, sin, 3), _rotate_half_ref(k, cos, sin, 1)
+        cpu_kernels.rope_(q, k, cos, sin, d)
+        tol = 1e-6 if dtype == torch.float32 else 2e-2
+        torch.testing.assert_close(q, rq, atol=tol, rtol=tol)
+        torch.testing.assert_close(k, rk, atol=tol, rtol=tol)
+        g = torch.randn(4, 50, generator=gen).to(dtype)
+        u = torch.randn(4, 50, generator=gen).to(dtype)
+        got = cpu_kernels.silu_mul(g, u, torch.empty_like(g))
+        torch.testing.assert_close(got, nn.functional.silu(g) * u, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_packed_linears_follow_weight_changes(dtype) -> None:
+    """Packed projections give F.linear's result, and a changed weight is repacked: in place (version
+    counter), by ``.data =`` (new storage), or through ``.data`` once ``clear()`` is called."""
+    gen = torch.Generator().manual_seed(0)
+    layer = nn.Linear(32, 48, bias=True).to(dtype)
+    x = torch.randn(5, 32, generator=gen).to(dtype)
+    packed = fused_decode.PackedLinears(dtype)
+    if not packed.enabled:
+        pytest.skip("this torch build cannot pack weights of this dtype")
+    assert torch.equal(packed(x, layer), nn.functional.linear(x, layer.weight, layer.bias))
+    with torch.no_grad():
+        layer.weight.mul_(2)
+    assert torch.equal(packed(x, layer), nn.functional.linear(x, layer.weight, layer.bias))
+    layer.weight.data = torch.randn(48, 32, generator=gen).to(dtype)
+    assert torch.equal(packed(x, layer), nn.functional.linear(x, layer.weight, layer.bias))
+    layer.weight.data.copy_(torch.randn(48, 32, generator=gen).to(dtype))  # no version bump
+    packed.clear()
+    assert torch.equal(packed(x, layer), nn.functional.linear(x, layer.weight, layer.bias))
