@@ -1,4 +1,4 @@
-"""A fused eager forward of Llama-family models for CPU decode steps.
+"""A fused eager forward of Llama-family models for CPU steps.
 
 Why: at decode, a step of a small model on the CPU spends about a third of its time in the ~50
 small torch ops each transformers decoder layer issues (norms, rotary embedding, activation,
@@ -10,8 +10,10 @@ MLP, one rotary call for q and k, the paged KV store and decode attention, and o
 It reads the user's modules and weights live at every step (no copies, nothing to invalidate), and
 it only runs where it computes exactly what the model would: the classes are on an allow list of
 known Llama-family implementations (Llama, Mistral, Qwen2, Qwen3), every projection is a plain
-``nn.Linear`` (a PEFT-wrapped layer is not), and no module has hooks.  Anything else, and every step
-with prefill tokens, takes the transformers path.
+``nn.Linear`` (a PEFT-wrapped layer is not), and no module has hooks.  Anything else takes the
+transformers path.  Steps with prefill chunks use it too (the projections are most of a prefill,
+and pre-packed weights make them faster); their attention goes through the same function as the
+transformers path.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from cbgen.model import cpu_kernels
+from cbgen.model import attention, cpu_kernels
 from cbgen.model.attention import AttentionMetadata
 
 _FAMILIES = ("Llama", "Mistral", "Qwen2", "Qwen3")
@@ -103,6 +105,29 @@ def _window(attn: nn.Module) -> int:
     return int(getattr(attn, "sliding_window", None) or 0)
 
 
+def _mixed_attention(
+    attn: nn.Module, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, d: int, meta: AttentionMetadata
+) -> torch.Tensor:
+    """Attention ``[T, H, D]`` for a step with prefill chunks, through the same function (and so the
+    same KV store, decode kernel and per-chunk SDPA) the transformers path uses."""
+    tokens = q.shape[0]
+
+    def heads_first(t: torch.Tensor) -> torch.Tensor:
+        return t.view(tokens, -1, d).transpose(0, 1)[None]
+
+    out, _ = attention.paged_attention_forward(
+        attn,
+        heads_first(q),
+        heads_first(k),
+        heads_first(v),
+        None,
+        scaling=attn.scaling,
+        sliding_window=_window(attn) or None,
+        cbgen_meta=meta,
+    )
+    return out[0]
+
+
 def _any_hooks(model: nn.Module) -> bool:
     # Hooks see (and may change) module inputs and outputs, which the fused path never produces.
     glob = nn.modules.module
@@ -183,7 +208,7 @@ class PackedLinears:
 
 
 class FusedDecoder:
-    """Runs decode-only steps of a supported model (see the module docstring) with fused CPU kernels.
+    """Runs the steps of a supported model (see the module docstring) with fused CPU kernels.
 
     :meth:`forward` returns ``None`` when the model stopped qualifying (an adapter was injected, a
     hook registered, the dtype changed), so the caller falls back to the transformers path.  The
@@ -224,8 +249,12 @@ class FusedDecoder:
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor, meta: AttentionMetadata
     ) -> torch.Tensor | None:
-        """Logits ``[R, V]`` for ``rows`` of a decode-only packed batch, or ``None`` (use the model)."""
-        if meta.prefills or not cpu_kernels.available() or not self._still_ok():
+        """Logits ``[R, V]`` for ``rows`` of the packed batch, or ``None`` (use the model instead).
+
+        Decode-only steps call the C kernels directly; steps with prefill chunks run attention through
+        :func:`cbgen.model.attention.paged_attention_forward`, as the transformers path does.
+        """
+        if not cpu_kernels.available() or not self._still_ok():
             return None
         model = self.model
         inner = model.model
@@ -240,9 +269,11 @@ class FusedDecoder:
         cos, sin = inner.rotary_emb(hidden[None], positions[None])
         cos, sin = cos[0].contiguous(), sin[0].contiguous()
         tokens = hidden.shape[0]
-        table = meta.decode_block_table.to(torch.int32).contiguous()
-        seq_lens = meta.decode_seq_lens.to(torch.int32).contiguous()
-        slots = meta.slot_mapping.to(torch.int64).contiguous()
+        mixed = bool(meta.prefills)
+        if not mixed:
+            table = meta.decode_block_table.to(torch.int32).contiguous()
+            seq_lens = meta.decode_seq_lens.to(torch.int32).contiguous()
+            slots = meta.slot_mapping.to(torch.int64).contiguous()
         x = torch.empty_like(hidden)
         first = layers[0].input_layernorm
         cpu_kernels.add_rmsnorm(hidden, None, first.weight, first.variance_epsilon, x)
@@ -258,19 +289,22 @@ class FusedDecoder:
                 cpu_kernels.add_rmsnorm(qh, None, q_norm.weight, q_norm.variance_epsilon, qh)
                 cpu_kernels.add_rmsnorm(kh, None, attn.k_norm.weight, attn.k_norm.variance_epsilon, kh)
             cpu_kernels.rope_(q, k, cos, sin, d)
-            k_cache, v_cache = meta.kv_caches[attn.layer_idx]
-            cpu_kernels.store_direct(k, v, k_cache, v_cache, slots)
             heads = q.shape[1] // d
-            out = cpu_kernels.decode_direct(
-                q.view(tokens, heads, d),
-                k_cache,
-                v_cache,
-                table,
-                seq_lens,
-                float(attn.scaling),
-                _window(attn),
-                0.0,
-            )
+            if mixed:
+                out = _mixed_attention(attn, q, k, v, d, meta)
+            else:
+                k_cache, v_cache = meta.kv_caches[attn.layer_idx]
+                cpu_kernels.store_direct(k, v, k_cache, v_cache, slots)
+                out = cpu_kernels.decode_direct(
+                    q.view(tokens, heads, d),
+                    k_cache,
+                    v_cache,
+                    table,
+                    seq_lens,
+                    float(attn.scaling),
+                    _window(attn),
+                    0.0,
+                )
             delta = linear(out.view(tokens, -1), attn.o_proj)
             norm = layer.post_attention_layernorm
             cpu_kernels.add_rmsnorm(hidden, delta, norm.weight, norm.variance_epsilon, x)

@@ -274,7 +274,7 @@ class ModelRunner:
         with self._paged_mode():
             if self.static is not None and self.static.can_run(batch):
                 return self.static.run(batch)
-            if self.fused is not None and not meta.prefills:
+            if self.fused is not None:
                 logits = self.fused.forward(batch.input_ids, batch.positions, batch.logits_indices, meta)
                 if logits is not None:
                     return logits

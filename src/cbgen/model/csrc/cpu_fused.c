@@ -107,9 +107,109 @@ static inline __attribute__((always_inline)) void add_rmsnorm_impl(void *x, cons
     }
 }
 
+#if defined(__AVX512F__)
+#include <immintrin.h>
+
+/* 16 values as float32 (bfloat16 widened by a shift). */
+static inline __attribute__((always_inline)) __m512 ld16(const void *p, int64_t i, const int dtype) {
+    if (dtype == 0) return _mm512_loadu_ps((const float *)p + i);
+    const __m256i h = _mm256_loadu_si256((const __m256i *)((const uint16_t *)p + i));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+/* float32 -> bfloat16 bits, round to nearest even, NaN kept quiet (as to_bf16), in the low 16 bits. */
+static inline __m512i bf16_bits16(__m512 v) {
+    const __m512i bits = _mm512_castps_si512(v);
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))), 16);
+    const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+    return _mm512_mask_or_epi32(r, nan, _mm512_srli_epi32(bits, 16), _mm512_set1_epi32(0x40));
+}
+
+/* The value a bfloat16 tensor would hold (identity for float32). */
+static inline __attribute__((always_inline)) __m512 rnd16(__m512 v, const int dtype) {
+    if (dtype == 0) return v;
+    return _mm512_castsi512_ps(_mm512_slli_epi32(bf16_bits16(v), 16));
+}
+
+static inline __attribute__((always_inline)) void st16(void *p, int64_t i, __m512 v, const int dtype) {
+    if (dtype == 0) {
+        _mm512_storeu_ps((float *)p + i, v);
+    } else {
+        _mm256_storeu_si256((__m256i *)((uint16_t *)p + i), _mm512_cvtepi32_epi16(bf16_bits16(v)));
+    }
+}
+
+static inline __m512 exp16(__m512 x) {
+    x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.0f));
+    const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
+    const __m512 k = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512 f = _mm512_mul_ps(_mm512_sub_ps(t, k), _mm512_set1_ps(0.69314718055994531f));
+    __m512 p = _mm512_set1_ps(1.0f / 720.0f);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 120.0f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 24.0f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 6.0f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.5f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(p, k);
+}
+
+/* AVX-512 versions for rows whose length is a multiple of 16; same rounding steps as above. */
+static inline __attribute__((always_inline)) void add_rmsnorm16(void *x, const void *delta, const void *weight,
+                                                                void *out, int64_t rows, int64_t n,
+                                                                int64_t x_stride, int64_t delta_stride,
+                                                                int64_t out_stride, float eps, const int dtype) {
+#pragma omp parallel for schedule(static) if (BIG(rows * n))
+    for (int64_t r = 0; r < rows; ++r) {
+        const int64_t xo = r * x_stride, oo = r * out_stride;
+        __m512 ss = _mm512_setzero_ps();
+        for (int64_t i = 0; i < n; i += 16) {
+            __m512 v = ld16(x, xo + i, dtype);
+            if (delta) {
+                v = rnd16(_mm512_add_ps(v, ld16(delta, r * delta_stride + i, dtype)), dtype);
+                st16(x, xo + i, v, dtype);
+            }
+            ss = _mm512_fmadd_ps(v, v, ss);
+        }
+        const __m512 inv = _mm512_set1_ps(1.0f / sqrtf(_mm512_reduce_add_ps(ss) / (float)n + eps));
+        for (int64_t i = 0; i < n; i += 16) {
+            const __m512 v = rnd16(_mm512_mul_ps(ld16(x, xo + i, dtype), inv), dtype);
+            st16(out, oo + i, _mm512_mul_ps(ld16(weight, i, dtype), v), dtype);
+        }
+    }
+}
+
+static inline __attribute__((always_inline)) void silu_mul16(const void *gate, const void *up, void *out,
+                                                             int64_t rows, int64_t n, int64_t gate_stride,
+                                                             int64_t up_stride, int64_t out_stride, const int dtype) {
+#pragma omp parallel for schedule(static) if (BIG(rows * n))
+    for (int64_t r = 0; r < rows; ++r) {
+        for (int64_t i = 0; i < n; i += 16) {
+            const __m512 g = ld16(gate, r * gate_stride + i, dtype);
+            const __m512 den = _mm512_add_ps(_mm512_set1_ps(1.0f), exp16(_mm512_sub_ps(_mm512_setzero_ps(), g)));
+            const __m512 a = rnd16(_mm512_div_ps(g, den), dtype);
+            st16(out, r * out_stride + i, _mm512_mul_ps(a, ld16(up, r * up_stride + i, dtype)), dtype);
+        }
+    }
+}
+#define CB_FAST(n) ((n) % 16 == 0)
+#else
+#define CB_FAST(n) 0
+#endif
+
 /* Each public kernel is compiled once per dtype, so its loops see a constant dtype and vectorise. */
 int cbgen_add_rmsnorm(void *x, const void *delta, const void *weight, void *out, int64_t rows, int64_t n,
                       int64_t x_stride, int64_t delta_stride, int64_t out_stride, float eps, int dtype) {
+#if defined(__AVX512F__)
+    if (CB_FAST(n)) {
+        if (dtype == 0)
+            add_rmsnorm16(x, delta, weight, out, rows, n, x_stride, delta_stride, out_stride, eps, 0);
+        else
+            add_rmsnorm16(x, delta, weight, out, rows, n, x_stride, delta_stride, out_stride, eps, 1);
+        return 0;
+    }
+#endif
     if (dtype == 0)
         add_rmsnorm_impl(x, delta, weight, out, rows, n, x_stride, delta_stride, out_stride, eps, 0);
     else
@@ -171,6 +271,15 @@ static inline __attribute__((always_inline)) void silu_mul_impl(const void *gate
 
 int cbgen_silu_mul(const void *gate, const void *up, void *out, int64_t rows, int64_t n, int64_t gate_stride,
                    int64_t up_stride, int64_t out_stride, int dtype) {
+#if defined(__AVX512F__)
+    if (CB_FAST(n)) {
+        if (dtype == 0)
+            silu_mul16(gate, up, out, rows, n, gate_stride, up_stride, out_stride, 0);
+        else
+            silu_mul16(gate, up, out, rows, n, gate_stride, up_stride, out_stride, 1);
+        return 0;
+    }
+#endif
     if (dtype == 0)
         silu_mul_impl(gate, up, out, rows, n, gate_stride, up_stride, out_stride, 0);
     else
