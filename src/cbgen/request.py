@@ -27,7 +27,19 @@ class RequestStatus(enum.Enum):
     @property
     def finished(self) -> bool:
         """True for the four terminal states."""
-        return self.value in ("stop", "length", "abort", "error")
+        return self in _TERMINAL
+
+
+# A set of members, not a test on ``.value``: this is asked several times per request per step, and
+# the enum's value descriptor was a measurable share of a step's Python time.
+_TERMINAL = frozenset(
+    {
+        RequestStatus.FINISHED_STOPPED,
+        RequestStatus.FINISHED_LENGTH,
+        RequestStatus.FINISHED_ABORTED,
+        RequestStatus.FINISHED_ERROR,
+    }
+)
 
 
 @dataclass(eq=False)
@@ -102,7 +114,7 @@ class Request:
     @property
     def is_finished(self) -> bool:
         """True once the request reached a terminal status."""
-        return self.status.finished
+        return self.status in _TERMINAL
 
     @property
     def max_tokens(self) -> int:

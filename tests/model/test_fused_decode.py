@@ -178,8 +178,8 @@ def test_packed_linears_follow_weight_changes(dtype) -> None:
     """Packed projections give F.linear's result, and a changed weight is repacked: in place (version
     counter), by ``.data =`` (new storage), or through ``.data`` once ``clear()`` is called."""
     gen = torch.Generator().manual_seed(0)
-    layer = nn.Linear(32, 48, bias=True).to(dtype)
-    x = torch.randn(5, 32, generator=gen).to(dtype)
+    layer = nn.Linear(256, 384, bias=True).to(dtype)  # above the packing threshold
+    x = torch.randn(5, 256, generator=gen).to(dtype)
     packed = fused_decode.PackedLinears(dtype)
     if not packed.enabled:
         pytest.skip("this torch build cannot pack weights of this dtype")
@@ -187,8 +187,8 @@ def test_packed_linears_follow_weight_changes(dtype) -> None:
     with torch.no_grad():
         layer.weight.mul_(2)
     assert torch.equal(packed(x, layer), nn.functional.linear(x, layer.weight, layer.bias))
-    layer.weight.data = torch.randn(48, 32, generator=gen).to(dtype)
+    layer.weight.data = torch.randn(384, 256, generator=gen).to(dtype)
     assert torch.equal(packed(x, layer), nn.functional.linear(x, layer.weight, layer.bias))
-    layer.weight.data.copy_(torch.randn(48, 32, generator=gen).to(dtype))  # no version bump
+    layer.weight.data.copy_(torch.randn(384, 256, generator=gen).to(dtype))  # no version bump
     packed.clear()
     assert torch.equal(packed(x, layer), nn.functional.linear(x, layer.weight, layer.bias))

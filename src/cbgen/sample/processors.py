@@ -42,8 +42,14 @@ BLOCK = 64
 # numpy sort is cheap enough to go straight to it after the first width).
 TOP_P_WIDTHS = (64, 1024, 8192)
 # Rows per chunk for the dense exp passes on CPU: small enough that the chunk stays in cache
-# between the subtract, divide, exp and reduce passes.
-CPU_CHUNK_ROWS = 16
+# between the subtract, divide, exp and reduce passes (16 rows of a 49k vocabulary), and no smaller,
+# because with a small vocabulary each chunk's handful of ops costs more than its math.
+CPU_CHUNK_ELEMS = 16 * 49152
+
+
+def cpu_chunk_rows(vocab: int) -> int:
+    """Rows per chunk of the CPU exp passes for a vocabulary of ``vocab`` columns."""
+    return max(1, CPU_CHUNK_ELEMS // max(vocab, 1))
 
 
 def _uniform_from_hash(seed: int, sample_index: int, position: int) -> float:
@@ -426,7 +432,7 @@ def exp_rows(
     processed in small chunks so all passes over a chunk hit cache.
     """
     n = out.shape[0]
-    step = CPU_CHUNK_ROWS if out.device.type == "cpu" else max(n, 1)
+    step = cpu_chunk_rows(out.shape[1]) if out.device.type == "cpu" else max(n, 1)
     sums = []
     maxes = []
     plain_sums = []

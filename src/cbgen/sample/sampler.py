@@ -30,7 +30,6 @@ from cbgen.request import Request
 from cbgen.sample.logits_processors import BatchLogitsProcessor
 from cbgen.sample.processors import (
     BLOCK,
-    CPU_CHUNK_ROWS,
     NEG_INF,
     BatchParams,
     apply_banned_tokens,
@@ -38,6 +37,7 @@ from cbgen.sample.processors import (
     apply_logit_bias,
     apply_repetition_penalty,
     block_reduce,
+    cpu_chunk_rows,
     exp_rows,
     exp_sum,
     finite_or,
@@ -192,7 +192,7 @@ class Sampler:
     def _scratch(self, rows: int, vocab: int, device: torch.device) -> torch.Tensor:
         # Chunked on CPU so a chunk stays in cache across its passes; one chunk on accelerators.
         return self._buffer(
-            "scratch", min(rows, CPU_CHUNK_ROWS) if device.type == "cpu" else rows, vocab, device
+            "scratch", min(rows, cpu_chunk_rows(vocab)) if device.type == "cpu" else rows, vocab, device
         )
 
     def _run(self, logits: torch.Tensor, requests: Sequence[Request]) -> SamplerOutput:
