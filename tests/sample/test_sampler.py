@@ -713,3 +713,33 @@ def test_sampled_batch_needs_no_device_read_back(monkeypatch, sampler_mode) -> N
                 expected = np.log(probs[ids])
             np.testing.assert_allclose(out.topk_logprobs[i, :k].numpy(), expected, atol=1e-5)
             assert sorted(probs[ids], reverse=True) == pytest.approx(sorted(probs, reverse=True)[:k])
+
+
+def test_cpu_greedy_kernel_matches_general_path(monkeypatch, sampler_mode) -> None:
+    """Unmodified greedy batches on the CPU take one C kernel: same tokens (first maximum, NaN as the
+    maximum), raw logprobs and failure flags as the general path."""
+    from cbgen.model import cpu_kernels
+
+    if sampler_mode != "sync" or not cpu_kernels.available():
+        pytest.skip("the kernel path is the CPU sync mode's")
+    calls = []
+    original = cpu_kernels.greedy_rows
+    monkeypatch.setattr(cpu_kernels, "greedy_rows", lambda x: calls.append(1) or original(x))
+    gen = torch.Generator().manual_seed(3)
+    logits = torch.randn(9, 3001, generator=gen) * 4
+    logits[1, 17] = float("nan")
+    logits[2] = float("-inf")
+    logits[3, 5] = float("inf")
+    logits[4, 100:103] = 50.0  # a tie: the first index wins
+    logits[5, :] = 0.0
+    reqs = [make_request(SamplingParams(temperature=0)) for _ in range(9)]
+    fast = sampler_module.Sampler(3001, sync_free=False)(logits, reqs)
+    general = sampler_module.Sampler(3001, sync_free=True)(logits, reqs)
+    assert calls, "the C kernel was not used"
+    assert fast.failed.keys() == general.failed.keys() == {1, 2, 3}
+    assert fast.token_ids.tolist() == general.token_ids.tolist()
+    assert fast.token_ids[4] == 100 and fast.token_ids[5] == 0
+    live = [0, 4, 5, 6, 7, 8]
+    torch.testing.assert_close(fast.raw_logprobs[live], general.raw_logprobs[live], atol=1e-5, rtol=0)
+    torch.testing.assert_close(fast.log_kept_mass[live], fast.raw_logprobs[live])
+    assert fast.logprobs.abs().sum() == 0

@@ -232,6 +232,14 @@ class Sampler:
             topk_lp = torch.full((num_rows, top_k), float("nan"), dtype=torch.float32, device=dev)
 
         sync_free = self.sync_free if self.sync_free is not None else dev.type != "cpu"
+        if (
+            not sync_free
+            and not params.sampled_rows
+            and not params.any_modified
+            and params.num_top_logprobs == 0
+            and _cpu_greedy_kernel(raw)
+        ):
+            return _greedy_on_cpu(raw)
         sampled = None
         if params.sampled_rows:
             s_rows = self._rows(params.sampled_rows, num_rows, dev)
@@ -678,6 +686,35 @@ class Sampler:
             lse[mod] = logsumexp_rows(proc.index_select(0, g.index_select(0, mod)))
         topk_ids[g] = ids
         topk_lp[g] = (vals.double() - lse.unsqueeze(1)).float()
+
+
+def _cpu_greedy_kernel(raw: torch.Tensor) -> bool:
+    """Whether :func:`_greedy_on_cpu` can take these logits (float32 rows on the CPU, kernels built)."""
+    if raw.device.type != "cpu" or raw.dtype != torch.float32 or raw.stride(1) != 1:
+        return False
+    from cbgen.model import cpu_kernels
+
+    return cpu_kernels.available()
+
+
+def _greedy_on_cpu(raw: torch.Tensor) -> SamplerOutput:
+    """A batch of unmodified greedy rows without top logprobs, in one C kernel (two reads of the
+    logits instead of the general path's several passes); same outputs and failure flags."""
+    from cbgen.model import cpu_kernels
+
+    token, top, lse = cpu_kernels.greedy_rows(raw)
+    raw_lp = (top.double() - lse).float()
+    ok = torch.full_like(token, FLAG_OK, dtype=torch.int8)
+    flags = torch.where(torch.isfinite(lse), ok, torch.full_like(ok, FLAG_BAD_LOGITS))
+    flags = torch.where(torch.isfinite(top), flags, torch.full_like(ok, FLAG_NOTHING_CHOOSABLE))
+    return SamplerOutput(
+        token_ids=token,
+        logprobs=torch.zeros_like(raw_lp),
+        raw_logprobs=raw_lp,
+        log_kept_mass=raw_lp.clone(),
+        row_flags=flags,
+        device_token_ids=token,
+    )
 
 
 def _check_processor_output(out: object, rows: int, vocab: int) -> None:
