@@ -29,7 +29,8 @@ class PrefillSeq:
     q_start: int
     q_len: int
     ctx_len: int
-    block_table: torch.Tensor  # [num_blocks] int, only used when ctx_len > 0
+    block_table: torch.Tensor | None  # [num_blocks] int, only set when ctx_len > 0 and not as_rows
+    as_rows: bool = False  # attended by the decode kernel, one row per query token (see below)
 
 
 @dataclass
@@ -43,6 +44,14 @@ class AttentionMetadata:
     decode_seq_lens: torch.Tensor | None  # [Bd] int32, context length including the new token
     decode_max_len: int
     prefills: list[PrefillSeq]
+    # Short prefill chunks attended as decode rows: query token i of a chunk whose sequence already
+    # has c cached tokens is a row with context length c + i + 1, so causality comes from the length
+    # alone.  One kernel call then replaces a per-sequence SDPA call (its fixed cost dominates short
+    # chunks).  Set by the input builder only when the backend has a decode kernel.
+    row_prefill_idx: torch.Tensor | None = None  # [N] int64 positions in the packed batch
+    row_prefill_table: torch.Tensor | None = None  # [N, W] int32
+    row_prefill_lens: torch.Tensor | None = None  # [N] int32
+    row_prefill_max_len: int = 0
     decode_fn: object | None = None  # optional fused decode kernel with paged_decode_attention's signature
     store_fn: object | None = None  # optional fused KV-store kernel with store_kv's signature
     _masks: dict = field(default_factory=dict)
@@ -107,7 +116,22 @@ def paged_attention_forward(
     out = torch.empty_like(q)
     if nd:
         out[:nd] = _decode(meta, q[:nd], k_cache, v_cache, scale, sliding_window, softcap)
+    if meta.row_prefill_idx is not None:
+        idx = meta.row_prefill_idx
+        out[idx] = meta.decode_fn(
+            q.index_select(0, idx),
+            k_cache,
+            v_cache,
+            meta.row_prefill_table,
+            meta.row_prefill_lens,
+            scale,
+            sliding_window=sliding_window,
+            softcap=softcap,
+            max_seq_len=meta.row_prefill_max_len,
+        )
     for seq in meta.prefills:
+        if seq.as_rows:
+            continue
         end = seq.q_start + seq.q_len
         qs = query[:, :, seq.q_start : end]
         if seq.ctx_len == 0:

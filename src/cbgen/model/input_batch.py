@@ -52,9 +52,12 @@ class ModelInput:
 class InputBuilder:
     """Builds :class:`ModelInput` for the runner."""
 
-    def __init__(self, block_size: int, device: torch.device) -> None:
+    def __init__(self, block_size: int, device: torch.device, row_prefill_max: int = 0) -> None:
         self.block_size = block_size
         self.device = device
+        # Prefill chunks of at most this many tokens are attended by the decode kernel, one row per
+        # query token (see AttentionMetadata.row_prefill_*); 0 = never.
+        self.row_prefill_max = row_prefill_max
 
     def _to_device(self, array: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
         tensor = torch.from_numpy(array).to(dtype)
@@ -92,6 +95,8 @@ class InputBuilder:
             decode_lens = self._to_device(lens, torch.int32)
 
         prefill_seqs: list[PrefillSeq] = []
+        row_idx: list[np.ndarray] = []
+        row_tables: list[tuple[np.ndarray, int]] = []  # (block ids, how many rows use them)
         q_start = nd
         for r, n in prefills:
             c = r.num_computed_tokens
@@ -100,8 +105,14 @@ class InputBuilder:
             blocks = np.asarray(r.block_ids, dtype=np.int64)
             slot_chunks.append(blocks[pos // bs] * bs + pos % bs)
             pos_chunks.append(pos)
-            table = self._to_device(blocks[: -(-(c + n) // bs)], torch.int32) if c > 0 else None
-            prefill_seqs.append(PrefillSeq(q_start, n, c, table))
+            as_rows = n <= self.row_prefill_max
+            if as_rows:
+                row_idx.append(np.arange(q_start, q_start + n, dtype=np.int64))
+                row_tables.append((blocks[: -(-(c + n) // bs)], n))
+            table = (
+                self._to_device(blocks[: -(-(c + n) // bs)], torch.int32) if c > 0 and not as_rows else None
+            )
+            prefill_seqs.append(PrefillSeq(q_start, n, c, table, as_rows=as_rows))
             q_start += n
 
         input_ids = (
@@ -149,6 +160,18 @@ class InputBuilder:
             decode_max_len=decode_max_len,
             prefills=prefill_seqs,
         )
+        if row_idx:
+            rows = np.concatenate(row_idx)
+            lens = positions[rows] + 1  # each query token sees its prefix and itself
+            table = np.zeros((len(rows), max(len(t) for t, _ in row_tables)), dtype=np.int64)
+            at = 0
+            for blocks, count in row_tables:
+                table[at : at + count, : len(blocks)] = blocks
+                at += count
+            meta.row_prefill_idx = self._to_device(rows, torch.int64)
+            meta.row_prefill_table = self._to_device(table, torch.int32)
+            meta.row_prefill_lens = self._to_device(lens, torch.int32)
+            meta.row_prefill_max_len = int(lens.max())
         return ModelInput(
             input_ids=self._to_device(input_ids, torch.int64),
             positions=self._to_device(positions, torch.int64),
