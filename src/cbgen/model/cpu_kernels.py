@@ -30,7 +30,9 @@ from cbgen.model import paged_ops
 
 log = logging.getLogger("cbgen")
 
-_SOURCES = [Path(__file__).parent / "csrc" / name for name in ("cpu_paged.c", "cpu_fused.c")]
+_CSRC = Path(__file__).parent / "csrc"
+_SOURCES = [_CSRC / name for name in ("cpu_paged.c", "cpu_fused.c")]
+_HEADERS = [_CSRC / "cbgen_numerics.h"]
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=c11"]
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 
@@ -57,7 +59,7 @@ def _build() -> ctypes.CDLL:
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if not compiler:
         raise RuntimeError("no C compiler found (set CC)")
-    source = b"".join(path.read_bytes() for path in _SOURCES)
+    source = b"".join(path.read_bytes() for path in [*_SOURCES, *_HEADERS])
     key = hashlib.sha256(source + " ".join([compiler, *_FLAGS]).encode() + _cpu_signature().encode())
     target = _cache_dir() / f"cpu_paged-{key.hexdigest()[:16]}.so"
     if not target.exists():
@@ -66,7 +68,7 @@ def _build() -> ctypes.CDLL:
         with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
             out = Path(tmp) / target.name
             proc = subprocess.run(
-                [compiler, *_FLAGS, *map(str, _SOURCES), "-o", str(out), "-lm"],
+                [compiler, *_FLAGS, f"-I{_CSRC}", *map(str, _SOURCES), "-o", str(out), "-lm"],
                 capture_output=True,
                 text=True,
                 timeout=120,

@@ -14,6 +14,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "cbgen_numerics.h"
+
 static inline float ld(const void *p, int64_t i, int dtype) {
     if (dtype == 0) return ((const float *)p)[i];
     uint32_t bits = ((uint32_t)((const uint16_t *)p)[i]) << 16;
@@ -22,18 +24,10 @@ static inline float ld(const void *p, int64_t i, int dtype) {
     return f;
 }
 
-static inline uint16_t to_bf16(float f) {
-    uint32_t bits;
-    memcpy(&bits, &f, sizeof bits);
-    if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits >> 16) | 0x40u);
-    bits += 0x7fffu + ((bits >> 16) & 1u);
-    return (uint16_t)(bits >> 16);
-}
-
 /* The value a bfloat16 tensor would hold (identity for float32). */
 static inline float rnd(float f, int dtype) {
     if (dtype == 0) return f;
-    uint32_t bits = ((uint32_t)to_bf16(f)) << 16;
+    uint32_t bits = ((uint32_t)f32_to_bf16(f)) << 16;
     float r;
     memcpy(&r, &bits, sizeof r);
     return r;
@@ -43,31 +37,7 @@ static inline void st(void *p, int64_t i, float f, int dtype) {
     if (dtype == 0)
         ((float *)p)[i] = f;
     else
-        ((uint16_t *)p)[i] = to_bf16(f);
-}
-
-/* exp(x) in a form loops vectorise (libm's expf stays scalar without -ffast-math): 2^k * 2^f,
- * k = round(x log2 e), |f| <= 1/2, 2^f by its degree-6 Taylor series (relative error ~1e-7).
- * Saturates to 0 below -87 and to ~2^128 (inf after the final multiply) above 88. */
-static inline float exp_approx(float x) {
-    x = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);
-    const float t = x * 1.44269504088896341f;
-    const float k = nearbyintf(t);
-    const float f = (t - k) * 0.69314718055994531f;
-    float p = 1.0f / 720.0f;
-    p = p * f + 1.0f / 120.0f;
-    p = p * f + 1.0f / 24.0f;
-    p = p * f + 1.0f / 6.0f;
-    p = p * f + 0.5f;
-    p = p * f + 1.0f;
-    p = p * f + 1.0f;
-    const int32_t kk = (int32_t)k;
-    /* two factors, so k = 128 (x near 88) does not overflow the exponent field */
-    const uint32_t b1 = (uint32_t)(kk / 2 + 127) << 23, b2 = (uint32_t)(kk - kk / 2 + 127) << 23;
-    float s1, s2;
-    memcpy(&s1, &b1, sizeof s1);
-    memcpy(&s2, &b2, sizeof s2);
-    return p * s1 * s2;
+        ((uint16_t *)p)[i] = f32_to_bf16(f);
 }
 
 /* Parallel only when the work pays for waking the other threads. */
@@ -110,14 +80,7 @@ static inline __attribute__((always_inline)) void add_rmsnorm_impl(void *x, cons
 #if defined(__AVX512F__)
 #include <immintrin.h>
 
-/* 16 values as float32 (bfloat16 widened by a shift). */
-static inline __attribute__((always_inline)) __m512 ld16(const void *p, int64_t i, const int dtype) {
-    if (dtype == 0) return _mm512_loadu_ps((const float *)p + i);
-    const __m256i h = _mm256_loadu_si256((const __m256i *)((const uint16_t *)p + i));
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
-
-/* float32 -> bfloat16 bits, round to nearest even, NaN kept quiet (as to_bf16), in the low 16 bits. */
+/* float32 -> bfloat16 bits, round to nearest even, NaN kept quiet (as f32_to_bf16), in the low 16 bits. */
 static inline __m512i bf16_bits16(__m512 v) {
     const __m512i bits = _mm512_castps_si512(v);
     const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
@@ -138,21 +101,6 @@ static inline __attribute__((always_inline)) void st16(void *p, int64_t i, __m51
     } else {
         _mm256_storeu_si256((__m256i *)((uint16_t *)p + i), _mm512_cvtepi32_epi16(bf16_bits16(v)));
     }
-}
-
-static inline __m512 exp16(__m512 x) {
-    x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.0f));
-    const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
-    const __m512 k = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    const __m512 f = _mm512_mul_ps(_mm512_sub_ps(t, k), _mm512_set1_ps(0.69314718055994531f));
-    __m512 p = _mm512_set1_ps(1.0f / 720.0f);
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 120.0f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 24.0f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 6.0f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.5f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-    return _mm512_scalef_ps(p, k);
 }
 
 /* AVX-512 versions for rows whose length is a multiple of 16; same rounding steps as above. */

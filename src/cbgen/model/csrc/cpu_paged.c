@@ -22,20 +22,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-static inline float bf16_to_f32(uint16_t x) {
-    uint32_t bits = ((uint32_t)x) << 16;
-    float f;
-    memcpy(&f, &bits, sizeof f);
-    return f;
-}
-
-static inline uint16_t f32_to_bf16(float f) {
-    uint32_t bits;
-    memcpy(&bits, &f, sizeof bits);
-    if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits >> 16) | 0x40u); /* NaN stays NaN */
-    bits += 0x7fffu + ((bits >> 16) & 1u); /* round to nearest even, as torch does */
-    return (uint16_t)(bits >> 16);
-}
+#include "cbgen_numerics.h"
 
 /* A run of n elements of the cache or query as float32: in place for float32, converted into buf
  * for bfloat16. */
@@ -48,27 +35,6 @@ static inline const float *as_f32(const void *base, int64_t off, int n, int dtyp
         memcpy(&buf[i], &bits, sizeof(float));
     }
     return buf;
-}
-
-/* exp(x) for the softmax (x <= 0: scores minus their maximum), written so loops over it vectorise:
- * 2^k * 2^f with k = round(x log2 e) and |f| <= 1/2, 2^f by its Taylor series to degree 6 (relative
- * error ~1e-7, float32's own precision).  libm's expf is scalar here and was a third of the kernel. */
-static inline float softmax_exp(float x) {
-    x = x < -87.0f ? -87.0f : x;
-    const float t = x * 1.44269504088896341f;
-    const float k = nearbyintf(t);
-    const float f = (t - k) * 0.69314718055994531f;
-    float p = 1.0f / 720.0f;
-    p = p * f + 1.0f / 120.0f;
-    p = p * f + 1.0f / 24.0f;
-    p = p * f + 1.0f / 6.0f;
-    p = p * f + 0.5f;
-    p = p * f + 1.0f;
-    p = p * f + 1.0f;
-    const int32_t bits = ((int32_t)k + 127) << 23;
-    float scale;
-    memcpy(&scale, &bits, sizeof scale);
-    return p * scale;
 }
 
 /* Attention of row b's new token, query heads of kv heads [h0, h1).  Tokens are walked block by
@@ -122,7 +88,7 @@ static void decode_task(const void *q, const void *kc, const void *vc, const int
                 for (int64_t i = 0; i < L; ++i) m = sr[i] > m ? sr[i] : m;
 #pragma omp simd reduction(+ : sum)
                 for (int64_t i = 0; i < L; ++i) {
-                    sr[i] = softmax_exp(sr[i] - m);
+                    sr[i] = exp_approx(sr[i] - m);
                     sum += sr[i];
                 }
                 const float inv = 1.f / sum;
@@ -142,29 +108,6 @@ static void decode_task(const void *q, const void *kc, const void *vc, const int
 #if defined(__AVX512F__)
 #include <immintrin.h>
 
-/* 16 cache or query elements as float32 (bfloat16 widened by a shift: AVX512F only). */
-static inline __attribute__((always_inline)) __m512 ld16(const void *base, int64_t off, const int dtype) {
-    if (dtype == 0) return _mm512_loadu_ps((const float *)base + off);
-    const __m256i h = _mm256_loadu_si256((const __m256i *)((const uint16_t *)base + off));
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
-
-/* softmax_exp on 16 lanes: p(f) * 2^k through scalef. */
-static inline __m512 softmax_exp16(__m512 x) {
-    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-    const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
-    const __m512 k = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    const __m512 f = _mm512_mul_ps(_mm512_sub_ps(t, k), _mm512_set1_ps(0.69314718055994531f));
-    __m512 p = _mm512_set1_ps(1.0f / 720.0f);
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 120.0f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 24.0f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 6.0f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.5f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-    return _mm512_scalef_ps(p, k);
-}
-
 /* In place: s = softmax(s) over n values. */
 static inline void softmax16(float *s, int64_t n) {
     if (n <= 0) return;
@@ -176,12 +119,12 @@ static inline void softmax16(float *s, int64_t n) {
     const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(mv));
     __m512 sum = _mm512_setzero_ps();
     for (i = 0; i + 16 <= n; i += 16) {
-        const __m512 e = softmax_exp16(_mm512_sub_ps(_mm512_loadu_ps(s + i), m));
+        const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(s + i), m));
         _mm512_storeu_ps(s + i, e);
         sum = _mm512_add_ps(sum, e);
     }
     if (n - i) {
-        const __m512 e = softmax_exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(tail, s + i), m));
+        const __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(tail, s + i), m));
         _mm512_mask_storeu_ps(s + i, tail, e);
         sum = _mm512_add_ps(sum, _mm512_maskz_mov_ps(tail, e));
     }
@@ -283,6 +226,7 @@ int cbgen_paged_decode(const void *q, const void *kc, const void *vc, const int3
                        int impl) {
     if (H % Hkv != 0 || dtype < 0 || dtype > 1 || H > 512) return 1;
     const int fast = CB_HAVE_FAST && impl == 0 && D % 16 == 0 && D <= 256;
+    (void)fast; /* unused in builds without AVX-512 */
     /* Whole rows per task when there are enough rows to keep every thread busy (sequential reads);
      * otherwise one task per kv head. */
     const int split = B >= 16 ? 1 : Hkv;

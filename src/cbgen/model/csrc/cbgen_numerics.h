@@ -1,0 +1,75 @@
+/* Numerics shared by cbgen's CPU kernels: bfloat16 conversion as torch does it, and an exp that
+ * loops vectorise (libm's expf stays scalar without -ffast-math), in scalar and AVX-512 forms. */
+#ifndef CBGEN_NUMERICS_H
+#define CBGEN_NUMERICS_H
+
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+static inline float bf16_to_f32(uint16_t x) {
+    uint32_t bits = ((uint32_t)x) << 16;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+static inline uint16_t f32_to_bf16(float f) {
+    uint32_t bits;
+    memcpy(&bits, &f, sizeof bits);
+    if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits >> 16) | 0x40u); /* NaN stays NaN */
+    bits += 0x7fffu + ((bits >> 16) & 1u); /* round to nearest even, as torch does */
+    return (uint16_t)(bits >> 16);
+}
+
+/* exp(x) as 2^k * 2^f, k = round(x log2 e), |f| <= 1/2, 2^f by its degree-6 Taylor series (relative
+ * error ~1e-7, float32's own precision).  Saturates to ~1e-38 below -87 and to inf above 88. */
+static inline float exp_approx(float x) {
+    x = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);
+    const float t = x * 1.44269504088896341f;
+    const float k = nearbyintf(t);
+    const float f = (t - k) * 0.69314718055994531f;
+    float p = 1.0f / 720.0f;
+    p = p * f + 1.0f / 120.0f;
+    p = p * f + 1.0f / 24.0f;
+    p = p * f + 1.0f / 6.0f;
+    p = p * f + 0.5f;
+    p = p * f + 1.0f;
+    p = p * f + 1.0f;
+    const int32_t kk = (int32_t)k;
+    /* two factors, so k = 128 (x near 88) does not overflow the exponent field */
+    const uint32_t b1 = (uint32_t)(kk / 2 + 127) << 23, b2 = (uint32_t)(kk - kk / 2 + 127) << 23;
+    float s1, s2;
+    memcpy(&s1, &b1, sizeof s1);
+    memcpy(&s2, &b2, sizeof s2);
+    return p * s1 * s2;
+}
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+
+/* 16 elements as float32 (bfloat16 widened by a shift: AVX512F only).  dtype 0 = float32, 1 = bf16. */
+static inline __attribute__((always_inline)) __m512 ld16(const void *base, int64_t off, const int dtype) {
+    if (dtype == 0) return _mm512_loadu_ps((const float *)base + off);
+    const __m256i h = _mm256_loadu_si256((const __m256i *)((const uint16_t *)base + off));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+/* exp_approx on 16 lanes, 2^k applied with scalef. */
+static inline __m512 exp16(__m512 x) {
+    x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.0f));
+    const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
+    const __m512 k = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512 f = _mm512_mul_ps(_mm512_sub_ps(t, k), _mm512_set1_ps(0.69314718055994531f));
+    __m512 p = _mm512_set1_ps(1.0f / 720.0f);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 120.0f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 24.0f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 6.0f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.5f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(p, k);
+}
+#endif
+
+#endif
