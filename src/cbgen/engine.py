@@ -530,10 +530,12 @@ class Engine:
             if r.status is RequestStatus.WAITING_FOR_FORK:
                 self._fork(r)
         now = time.monotonic()
+        groups, generated = self.groups, 0
+        # This loop runs for every running request every step: it reads each attribute once.
         for i, r in enumerate(batch.sample_requests):
             if r.is_finished:
                 continue
-            changed[r.group_id] = self.groups[r.group_id]
+            changed[r.group_id] = groups[r.group_id]
             if i in failed:
                 self._finish(r, RequestStatus.FINISHED_ERROR, error=failed[i])
                 continue
@@ -550,10 +552,11 @@ class Engine:
                 r.top_logprobs.append(
                     {t: lp for t, lp in zip(top_ids[i][:k], top_lp[i][:k]) if lp > -math.inf}
                 )
-            self.stats.generated_tokens += 1
+            generated += 1
             status = self._stop_status(r, token)
             if status is not None:
                 self._finish(r, status)
+        self.stats.generated_tokens += generated
         self._publish(result.crossed)
 
     def _publish(self, requests: list[Request]) -> None:
@@ -580,16 +583,17 @@ class Engine:
 
     def _stop_status(self, r: Request, token: int) -> RequestStatus | None:
         params = r.params
-        if r.num_output_tokens >= params.min_tokens and (
-            token in r.eos_token_ids or token in params.stop_token_ids
-        ):
+        num_tokens = len(r.token_ids)
+        num_output = num_tokens - r.num_prompt_tokens
+        if num_output >= params.min_tokens and (token in r.eos_token_ids or token in params.stop_token_ids):
             r.stop_reason = token if token in params.stop_token_ids else None
             return RequestStatus.FINISHED_STOPPED
-        stop = self.output_processor.check_stop_strings(r, token)
-        if stop is not None:
-            r.stop_reason = stop
-            return RequestStatus.FINISHED_STOPPED
-        if r.num_output_tokens >= r.max_tokens or r.num_tokens >= self.max_model_len:
+        if r.output_state.matcher is not None:
+            stop = self.output_processor.check_stop_strings(r, token)
+            if stop is not None:
+                r.stop_reason = stop
+                return RequestStatus.FINISHED_STOPPED
+        if num_output >= r.max_tokens or num_tokens >= self.max_model_len:
             return RequestStatus.FINISHED_LENGTH
         return None
 

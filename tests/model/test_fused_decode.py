@@ -70,6 +70,42 @@ def test_fused_matches_generate_and_module_path(case, monkeypatch) -> None:
                 assert sa[t] == pytest.approx(sb[t], abs=1e-5)
 
 
+def test_packed_grouped_projections_match_module_path(monkeypatch) -> None:
+    """A model wide enough for packed weights, with 64 sequences decoding (the row count MKL's packed
+    GEMM serves): q/k/v and gate/up run as grouped packed GEMMs, tokens equal ``generate()`` and top
+    logprobs the module path."""
+    model = make_model(
+        "llama",
+        hidden_size=256,
+        intermediate_size=512,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        attention_bias=True,
+        mlp_bias=True,
+    )
+    prompts = make_prompts(64, lengths=(3, 40))
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=5)
+    groups = []
+    original = fused_decode.PackedLinears._pack
+
+    def counting(self, modules, packed):
+        groups.append(len(modules))
+        return original(self, modules, packed)
+
+    monkeypatch.setattr(fused_decode.PackedLinears, "_pack", counting)
+    fused = _run(model, prompts, params)
+    if fused_decode.PackedLinears(torch.float32).enabled:
+        assert groups.count(3) == 2 and groups.count(2) == 2  # q/k/v and gate/up, per layer
+    compare(model, prompts, [o.token_ids for o in fused], [hf_greedy(model, p, 6) for p in prompts])
+    plain = _run(model, prompts, params, fused_decode=False)
+    for a, b in zip(fused, plain):
+        for sa, sb in zip(_top_logprobs(a), _top_logprobs(b)):
+            assert sa.keys() == sb.keys()
+            for t in sa:
+                assert sa[t] == pytest.approx(sb[t], abs=1e-5)
+
+
 def test_bf16_close_to_module_path(monkeypatch) -> None:
     """bf16 rounds differently in fused kernels (once instead of per op): the second token's top
     logprobs (the first decode step; the first token comes from the shared prefill) stay close."""
@@ -173,13 +209,42 @@ def test_fused_kernels_match_torch(width: int) -> None:
         torch.testing.assert_close(got, nn.functional.silu(g) * u, atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("width", [32, 256])  # below / above the packing threshold
+@pytest.mark.parametrize("rows", [5, 64])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_packed_group_equals_separate_linears(dtype, rows, width) -> None:
+    """A group's outputs equal each projection's ``F.linear`` (biases on some members only), packed
+    or (small weights) concatenated, and a bias updated in place is picked up."""
+    gen = torch.Generator().manual_seed(0)
+    layers = (
+        nn.Linear(width, width, bias=True).to(dtype),
+        nn.Linear(width, width // 2, bias=False).to(dtype),
+        nn.Linear(width, width // 2, bias=True).to(dtype),
+    )
+    x = torch.randn(rows, width, generator=gen).to(dtype)
+    packed = fused_decode.PackedLinears(dtype)
+    if not packed.enabled:
+        pytest.skip("this torch build cannot pack weights of this dtype")
+
+    def check() -> None:
+        outs = packed.group(x, layers)
+        assert len(outs) == 3
+        for out, layer in zip(outs, layers):
+            torch.testing.assert_close(out, nn.functional.linear(x, layer.weight, layer.bias), atol=0, rtol=0)
+
+    check()
+    with torch.no_grad():
+        layers[2].bias.add_(1)
+    check()
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_packed_linears_follow_weight_changes(dtype) -> None:
     """Packed projections give F.linear's result, and a changed weight is repacked: in place (version
     counter), by ``.data =`` (new storage), or through ``.data`` once ``clear()`` is called."""
     gen = torch.Generator().manual_seed(0)
     layer = nn.Linear(256, 384, bias=True).to(dtype)  # above the packing threshold
-    x = torch.randn(5, 256, generator=gen).to(dtype)
+    x = torch.randn(64, 256, generator=gen).to(dtype)  # the row count MKL's packed GEMM serves
     packed = fused_decode.PackedLinears(dtype)
     if not packed.enabled:
         pytest.skip("this torch build cannot pack weights of this dtype")

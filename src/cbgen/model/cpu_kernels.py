@@ -81,6 +81,7 @@ def _build() -> ctypes.CDLL:
     i64, i32, f32, ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_float, ctypes.c_void_p
     lib.cbgen_paged_decode.argtypes = [
         ptr,
+        i64,
         ptr,
         ptr,
         ptr,
@@ -99,7 +100,7 @@ def _build() -> ctypes.CDLL:
         i32,
     ]
     lib.cbgen_paged_decode.restype = i32
-    lib.cbgen_store_kv.argtypes = [ptr, ptr, ptr, ptr, ptr, i64, i64, i32]
+    lib.cbgen_store_kv.argtypes = [ptr, i64, ptr, i64, ptr, ptr, ptr, i64, i64, i32]
     lib.cbgen_store_kv.restype = i32
     lib.cbgen_add_rmsnorm.argtypes = [ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, f32, i32]
     lib.cbgen_rope.argtypes = [ptr, ptr, ptr, ptr, i64, i32, i32, i32, i64, i64, i32]
@@ -159,13 +160,14 @@ def decode_direct(
     softcap: float,
     portable: bool = False,
 ) -> torch.Tensor:
-    """The decode kernel without the custom-op layer: contiguous ``query [B, H, D]`` of the cache's
-    dtype, int32 ``block_table``/``seq_lens``; ``window``/``softcap`` 0 = off.  ``portable`` forces the
-    plain C loops instead of the AVX-512 ones (for tests)."""
-    out = torch.empty_like(query)
+    """The decode kernel without the custom-op layer: ``query [B, H, D]`` of the cache's dtype (heads
+    contiguous, any row stride), int32 ``block_table``/``seq_lens``; ``window``/``softcap`` 0 = off.
+    ``portable`` forces the plain C loops instead of the AVX-512 ones (for tests)."""
     num_rows, heads, dim = query.shape
+    out = torch.empty((num_rows, heads, dim), dtype=query.dtype)
     rc = _lib.cbgen_paged_decode(
         query.data_ptr(),
+        query.stride(0),
         k_cache.data_ptr(),
         v_cache.data_ptr(),
         block_table.data_ptr(),
@@ -203,12 +205,14 @@ def _store_op(
 def store_direct(
     key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor
 ) -> None:
-    """The KV store without the custom-op layer: contiguous ``key``/``value`` of the cache's dtype,
-    int64 ``slots``."""
+    """The KV store without the custom-op layer: ``key``/``value`` ``[T, Hkv * D]`` of the cache's
+    dtype (rows contiguous, any row stride), int64 ``slots``."""
     row = k_cache.shape[-2] * k_cache.shape[-1]
     _lib.cbgen_store_kv(
         key.data_ptr(),
+        key.stride(0),
         value.data_ptr(),
+        value.stride(0),
         k_cache.data_ptr(),
         v_cache.data_ptr(),
         slots.data_ptr(),

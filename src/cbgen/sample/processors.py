@@ -128,30 +128,39 @@ class BatchParams:
     @classmethod
     def from_requests(cls, requests: Sequence[Request], vocab_size: int) -> BatchParams:
         """Reads every request once; ``vocab_size`` is the logits width (ids at or above it are ignored)."""
-        out = cls(num_rows=len(requests), vocab_size=vocab_size)
-        temperature: list[float] = []
-        top_k: list[int] = []
-        top_p: list[float] = []
-        min_p: list[float] = []
+        n = len(requests)
+        out = cls(num_rows=n, vocab_size=vocab_size)
+        # Rows start as plain greedy rows (the common case, kept to a few attribute reads per row:
+        # this runs every step for every running request); other rows overwrite their entries.
+        temperature, top_k, top_p, min_p = [1.0] * n, [0] * n, [1.0] * n, [0.0] * n
+        out.modified, out.masked, out.identity = [False] * n, [False] * n, [False] * n
         for i, req in enumerate(requests):
             p = req.params
             greedy = p.temperature == 0.0
+            if (
+                greedy
+                and p.repetition_penalty == 1.0
+                and not p.frequency_penalty
+                and not p.presence_penalty
+                and not p.logit_bias
+                and not p.logits_processor_args
+                and p.logprobs is None
+                and req.num_output_tokens >= p.min_tokens
+            ):
+                out.greedy_rows.append(i)
+                continue
             modified = masked = False
             if greedy:
                 out.greedy_rows.append(i)
-                temperature.append(1.0)
-                top_k.append(0)
-                top_p.append(1.0)
-                min_p.append(0.0)
             else:
                 out.sampled_rows.append(i)
                 t = float(p.temperature)
-                temperature.append(t)
+                temperature[i] = t
                 out.any_temperature |= t != 1.0
                 k = p.top_k if 0 < p.top_k < vocab_size else 0
-                top_k.append(k)
-                top_p.append(float(p.top_p))
-                min_p.append(float(p.min_p))
+                top_k[i] = k
+                top_p[i] = float(p.top_p)
+                min_p[i] = float(p.min_p)
                 if k > 0 or p.top_p < 1.0 or p.min_p > 0.0:
                     out.any_truncation = True
                     out.truncated_rows.append(i)
@@ -194,9 +203,9 @@ class BatchParams:
             if p.logprobs is not None:
                 out.logprob_rows.append(i)
                 out.num_top_logprobs = max(out.num_top_logprobs, p.logprobs)
-            out.modified.append(modified)
-            out.masked.append(masked)
-            out.identity.append(not greedy and not modified and p.temperature == 1.0)
+            out.modified[i] = modified
+            out.masked[i] = masked
+            out.identity[i] = not greedy and not modified and p.temperature == 1.0
         out.temperature = torch.tensor(temperature, dtype=torch.float32)
         out.top_k = torch.tensor(top_k, dtype=torch.int64)
         out.top_p = torch.tensor(top_p, dtype=torch.float64)

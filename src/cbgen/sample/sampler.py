@@ -205,6 +205,15 @@ class Sampler:
             raw = logits  # read only from here on
         else:
             raw = self._buffer("raw", num_rows, vocab, dev).copy_(logits)
+        sync_free = self.sync_free if self.sync_free is not None else dev.type != "cpu"
+        if (
+            not sync_free
+            and not params.sampled_rows
+            and not params.any_modified
+            and params.num_top_logprobs == 0
+            and _cpu_greedy_kernel(raw)
+        ):
+            return _greedy_on_cpu(raw)
         proc = raw
         if params.any_modified:
             proc = self._buffer("proc", num_rows, vocab, dev).copy_(raw)
@@ -231,15 +240,6 @@ class Sampler:
             topk_ids = torch.full((num_rows, top_k), -1, dtype=torch.int64, device=dev)
             topk_lp = torch.full((num_rows, top_k), float("nan"), dtype=torch.float32, device=dev)
 
-        sync_free = self.sync_free if self.sync_free is not None else dev.type != "cpu"
-        if (
-            not sync_free
-            and not params.sampled_rows
-            and not params.any_modified
-            and params.num_top_logprobs == 0
-            and _cpu_greedy_kernel(raw)
-        ):
-            return _greedy_on_cpu(raw)
         sampled = None
         if params.sampled_rows:
             s_rows = self._rows(params.sampled_rows, num_rows, dev)

@@ -9,12 +9,14 @@
  * through ctypes, so no torch headers are compiled.  OpenMP resolves to the libgomp that torch has
  * already loaded (same soname), so both share one thread pool.
  *
- * Layouts (all contiguous):
- *   q, out         [B, H, D]
+ * Layouts (contiguous unless a stride is passed):
+ *   q              [B, H, D], rows q_stride elements apart
+ *   out            [B, H, D]
  *   k/v cache      [num_blocks, block_size, Hkv, D]
  *   block_table    [B, table_stride] int32
  *   seq_lens       [B] int32, context length including the new token
- *   key/value      [T, Hkv, D]   (store), slot_mapping [T] int64, -1 = write nowhere
+ *   key/value      [T, Hkv, D], rows key_stride/value_stride apart (store), slot_mapping [T] int64,
+ *                  -1 = write nowhere
  * dtype: 0 = float32, 1 = bfloat16.
  */
 #include <math.h>
@@ -39,14 +41,14 @@ static inline const float *as_f32(const void *base, int64_t off, int n, int dtyp
 
 /* Attention of row b's new token, query heads of kv heads [h0, h1).  Tokens are walked block by
  * block, and every head of a token is read in one contiguous run, so the cache streams in order. */
-static void decode_task(const void *q, const void *kc, const void *vc, const int32_t *table, int64_t n,
+static void decode_task(const void *q, int64_t qs, const void *kc, const void *vc, const int32_t *table, int64_t n,
                         int64_t b, int h0, int h1, int H, int Hkv, int D, int bs, float scale,
                         int64_t window, float softcap, int dtype, void *out, float *ws, int64_t cap) {
     const int G = H / Hkv, nh = h1 - h0, R = nh * G; /* R query heads in this task */
     const int64_t tok_stride = (int64_t)Hkv * D;
     const int64_t start = (window > 0 && n > window) ? n - window : 0;
     float *qf = ws, *acc = qf + (size_t)R * D, *rowbuf = acc + (size_t)R * D, *scores = rowbuf + (size_t)nh * D;
-    const float *qsrc = as_f32(q, (b * H + (int64_t)h0 * G) * D, R * D, dtype, qf);
+    const float *qsrc = as_f32(q, b * qs + (int64_t)h0 * G * D, R * D, dtype, qf);
     for (int i = 0; i < R * D; ++i) qf[i] = qsrc[i] * scale;
     int kv_of[512];
     for (int r = 0; r < R && r < 512; ++r) kv_of[r] = r / G;
@@ -133,76 +135,131 @@ static inline void softmax16(float *s, int64_t n) {
     if (n - i) _mm512_mask_storeu_ps(s + i, tail, _mm512_mul_ps(_mm512_maskz_loadu_ps(tail, s + i), inv));
 }
 
+/* r[j] = sum of v[j]'s 16 lanes, for 16 vectors at once: an add tree over in-register transposes
+ * (45 instructions for 16 sums, against ~8 dependent ones for each sum reduced on its own). */
+static inline __attribute__((always_inline)) __m512 hsum16x16(const __m512 v[16]) {
+    __m512 t[8], u[4];
+    for (int k = 0; k < 8; ++k) /* per 128-bit lane: [a0+a2, b0+b2, a1+a3, b1+b3] */
+        t[k] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * k], v[2 * k + 1]), _mm512_unpackhi_ps(v[2 * k], v[2 * k + 1]));
+    for (int k = 0; k < 4; ++k) { /* per 128-bit lane: that lane's sums of 4 vectors */
+        const __m512d a = _mm512_castps_pd(t[2 * k]), b = _mm512_castps_pd(t[2 * k + 1]);
+        u[k] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+    }
+    /* then across the four 128-bit lanes, twice */
+    const __m512 w0 = _mm512_add_ps(_mm512_shuffle_f32x4(u[0], u[1], 0x88), _mm512_shuffle_f32x4(u[0], u[1], 0xDD));
+    const __m512 w1 = _mm512_add_ps(_mm512_shuffle_f32x4(u[2], u[3], 0x88), _mm512_shuffle_f32x4(u[2], u[3], 0xDD));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(w0, w1, 0x88), _mm512_shuffle_f32x4(w0, w1, 0xDD));
+}
+
 /* decode_task for D % 16 == 0 (D <= 256) with AVX-512.  Per kv head, the keys (then the values) are
- * walked block by block; each block's rows are read from memory once and then serve the G query
- * heads of the group from L1, with that head's query (or output accumulator) held in registers.
- * No division per token or block, and horizontal work only for one reduction per score: in the
- * portable loops those, and re-reading keys per query head, were most of the time.
- * ws: G*D scaled queries, G*D accumulators, G*cap scores. */
+ * walked block by block; each block's rows are read from memory once and then serve every query
+ * head of the task from L1.  Scores are computed 16 tokens at a time and reduced together
+ * (hsum16x16); with AVX512-BF16 and D % 32 == 0, bf16 queries and keys go straight into vdpbf16ps
+ * (exact bf16 products, float32 sums) instead of being widened first.  The value pass keeps a
+ * head's output accumulator in registers through a block.  No division per token or block.
+ * ws: R*D scaled queries, R*D accumulators, R*cap scores (R = the task's query heads). */
 static inline __attribute__((always_inline)) void decode_task_avx512(
-    const void *q, const void *kc, const void *vc, const int32_t *table, int64_t n, int64_t b, int h0, int h1,
-    int H, int Hkv, const int D, int bs, float scale, int64_t window, float softcap, const int dtype, void *out,
-    float *ws, int64_t cap) {
-    const int G = H / Hkv, nv = D / 16;
-    const int64_t tok_stride = (int64_t)Hkv * D;
+    const void *q, int64_t qs, const void *kc, const void *vc, const int32_t *table, int64_t n, int64_t b, int h0,
+    int h1, int H, int Hkv, const int D, int bs, float scale, int64_t window, float softcap, const int dtype,
+    void *out, float *ws, int64_t cap) {
+    const int G = H / Hkv, nv = D / 16, R = (h1 - h0) * G; /* R query heads in this task */
+#if defined(__AVX512BF16__)
+    const int pairs = dtype == 1 && D % 32 == 0;
+#else
+    const int pairs = 0;
+#endif
+    const int64_t tok_stride = (int64_t)Hkv * D, esize = dtype == 0 ? 4 : 2;
     const int64_t start = (window > 0 && n > window) ? n - window : 0, L = n - start;
-    float *qf = ws, *acc = ws + (size_t)G * D, *scores = acc + (size_t)G * D;
-    for (int h = h0; h < h1; ++h) {
-        const int64_t q0 = (b * H + (int64_t)h * G) * D;
-        for (int g = 0; g < G; ++g)
+    const int64_t q0 = (b * H + (int64_t)h0 * G) * D, qo = b * qs + (int64_t)h0 * G * D;
+    float *qf = ws, *acc = ws + (size_t)R * D, *scores = acc + (size_t)R * D; /* scores: R rows of cap */
+    if (!pairs)
+        for (int r = 0; r < R; ++r)
             for (int i = 0; i < nv; ++i)
-                _mm512_storeu_ps(qf + g * D + i * 16,
-                                 _mm512_mul_ps(ld16(q, q0 + g * D + i * 16, dtype), _mm512_set1_ps(scale)));
+                _mm512_storeu_ps(qf + r * D + i * 16,
+                                 _mm512_mul_ps(ld16(q, qo + r * D + i * 16, dtype), _mm512_set1_ps(scale)));
+    /* Blocks are the outer loop and heads the inner one, so each block (contiguous tokens x heads) is
+     * read front to back, once; the next block is prefetched, as its address is a table lookup no
+     * hardware prefetcher can guess. */
+    for (int pass = 0; pass < 2; ++pass) {
+        const void *cache = pass == 0 ? kc : vc;
+        const int64_t span = (int64_t)(h1 - h0) * D * esize; /* bytes of this task's heads per token */
         for (int64_t j = start, blk = start / bs, off = start % bs; j < n; ++blk, off = 0) {
             const int64_t cnt = (bs - off) < (n - j) ? (bs - off) : (n - j);
-            const int64_t first = ((int64_t)table[blk] * bs + off) * tok_stride + (int64_t)h * D;
-            for (int g = 0; g < G; ++g) {
-                __m512 qv[16];
-                for (int i = 0; i < nv; ++i) qv[i] = _mm512_loadu_ps(qf + g * D + i * 16);
-                float *sg = scores + (size_t)g * cap + (j - start);
-                for (int64_t t = 0; t < cnt; ++t) {
-                    const int64_t o = first + t * tok_stride;
-                    __m512 sv = _mm512_mul_ps(qv[0], ld16(kc, o, dtype));
-                    for (int i = 1; i < nv; ++i) sv = _mm512_fmadd_ps(qv[i], ld16(kc, o + i * 16, dtype), sv);
-                    float sc = _mm512_reduce_add_ps(sv);
-                    if (softcap > 0.f) sc = tanhf(sc / softcap) * softcap;
-                    sg[t] = sc;
+            const int64_t first = ((int64_t)table[blk] * bs + off) * tok_stride;
+            if (j + cnt < n) {
+                const char *nxt = (const char *)cache + ((int64_t)table[blk + 1] * bs * tok_stride + (int64_t)h0 * D) * esize;
+                const int64_t ncnt = (n - j - cnt) < bs ? (n - j - cnt) : bs;
+                for (int64_t t = 0; t < ncnt; ++t)
+                    for (int64_t c = 0; c < span; c += 64) _mm_prefetch(nxt + t * tok_stride * esize + c, _MM_HINT_T0);
+            }
+            if (pass == 0) {
+                for (int64_t t0 = 0; t0 < cnt; t0 += 16) {
+                    const int m = (cnt - t0) < 16 ? (int)(cnt - t0) : 16;
+                    int64_t row[16]; /* rows past the block's end repeat its last row; their lanes are dropped */
+                    for (int t = 0; t < 16; ++t) row[t] = first + (t0 + (t < m ? t : m - 1)) * tok_stride;
+                    for (int r = 0; r < R; ++r) {
+                        const int64_t hd = (int64_t)(h0 + r / G) * D;
+                        __m512 sv[16];
+                        for (int t = 0; t < 16; ++t) sv[t] = _mm512_setzero_ps();
+#if defined(__AVX512BF16__)
+                        if (pairs) {
+                            const uint16_t *qh = (const uint16_t *)q + qo + r * D, *kh = (const uint16_t *)kc + hd;
+                            for (int i = 0; i < D; i += 32) {
+                                const __m512bh qb = (__m512bh)_mm512_loadu_si512(qh + i);
+                                for (int t = 0; t < 16; ++t)
+                                    sv[t] = _mm512_dpbf16_ps(sv[t], qb, (__m512bh)_mm512_loadu_si512(kh + row[t] + i));
+                            }
+                        } else
+#endif
+                        {
+                            for (int i = 0; i < nv; ++i) {
+                                const __m512 qv = _mm512_loadu_ps(qf + r * D + i * 16);
+                                for (int t = 0; t < 16; ++t)
+                                    sv[t] = _mm512_fmadd_ps(qv, ld16(kc, row[t] + hd + i * 16, dtype), sv[t]);
+                            }
+                        }
+                        __m512 sc = hsum16x16(sv);
+                        if (pairs) sc = _mm512_mul_ps(sc, _mm512_set1_ps(scale));
+                        float *sg = scores + (size_t)r * cap + (j - start) + t0;
+                        _mm512_mask_storeu_ps(sg, (__mmask16)((1u << m) - 1u), sc);
+                        if (softcap > 0.f)
+                            for (int t = 0; t < m; ++t) sg[t] = tanhf(sg[t] / softcap) * softcap;
+                    }
+                }
+            } else {
+                for (int r = 0; r < R; ++r) {
+                    const int64_t hd = (int64_t)(h0 + r / G) * D;
+                    __m512 av[16];
+                    for (int i = 0; i < nv; ++i) av[i] = _mm512_loadu_ps(acc + r * D + i * 16);
+                    const float *pg = scores + (size_t)r * cap + (j - start);
+                    for (int64_t t = 0; t < cnt; ++t) {
+                        const int64_t o = first + t * tok_stride + hd;
+                        const __m512 pv = _mm512_set1_ps(pg[t]);
+                        for (int i = 0; i < nv; ++i) av[i] = _mm512_fmadd_ps(pv, ld16(vc, o + i * 16, dtype), av[i]);
+                    }
+                    for (int i = 0; i < nv; ++i) _mm512_storeu_ps(acc + r * D + i * 16, av[i]);
                 }
             }
             j += cnt;
         }
-        for (int g = 0; g < G; ++g) softmax16(scores + (size_t)g * cap, L);
-        memset(acc, 0, sizeof(float) * (size_t)G * D);
-        for (int64_t j = start, blk = start / bs, off = start % bs; j < n; ++blk, off = 0) {
-            const int64_t cnt = (bs - off) < (n - j) ? (bs - off) : (n - j);
-            const int64_t first = ((int64_t)table[blk] * bs + off) * tok_stride + (int64_t)h * D;
-            for (int g = 0; g < G; ++g) {
-                __m512 av[16];
-                for (int i = 0; i < nv; ++i) av[i] = _mm512_loadu_ps(acc + g * D + i * 16);
-                const float *pg = scores + (size_t)g * cap + (j - start);
-                for (int64_t t = 0; t < cnt; ++t) {
-                    const int64_t o = first + t * tok_stride;
-                    const __m512 pv = _mm512_set1_ps(pg[t]);
-                    for (int i = 0; i < nv; ++i) av[i] = _mm512_fmadd_ps(pv, ld16(vc, o + i * 16, dtype), av[i]);
-                }
-                for (int i = 0; i < nv; ++i) _mm512_storeu_ps(acc + g * D + i * 16, av[i]);
-            }
-            j += cnt;
+        if (pass == 0) {
+            for (int r = 0; r < R; ++r) softmax16(scores + (size_t)r * cap, L);
+            memset(acc, 0, sizeof(float) * (size_t)R * D);
         }
-        if (dtype == 0) {
-            memcpy((float *)out + q0, acc, sizeof(float) * (size_t)G * D);
-        } else {
-            for (int i = 0; i < G * D; ++i) ((uint16_t *)out)[q0 + i] = f32_to_bf16(acc[i]);
-        }
+    }
+    if (dtype == 0) {
+        memcpy((float *)out + q0, acc, sizeof(float) * (size_t)R * D);
+    } else {
+        for (int i = 0; i < R * D; ++i) ((uint16_t *)out)[q0 + i] = f32_to_bf16(acc[i]);
     }
 }
 
 /* Specialised copies for the common head sizes and both dtypes, so the D loops unroll. */
-static void decode_task_fast(const void *q, const void *kc, const void *vc, const int32_t *table, int64_t n,
+static void decode_task_fast(const void *q, int64_t qs, const void *kc, const void *vc, const int32_t *table, int64_t n,
                              int64_t b, int h0, int h1, int H, int Hkv, int D, int bs, float scale,
                              int64_t window, float softcap, int dtype, void *out, float *ws, int64_t cap) {
 #define CB_CALL(DD, DT) \
-    decode_task_avx512(q, kc, vc, table, n, b, h0, h1, H, Hkv, DD, bs, scale, window, softcap, DT, out, ws, cap)
+    decode_task_avx512(q, qs, kc, vc, table, n, b, h0, h1, H, Hkv, DD, bs, scale, window, softcap, DT, out, ws, cap)
     if (dtype == 0) {
         if (D == 64) CB_CALL(64, 0);
         else if (D == 128) CB_CALL(128, 0);
@@ -220,7 +277,7 @@ static void decode_task_fast(const void *q, const void *kc, const void *vc, cons
 #endif
 
 /* impl: 0 = the fastest this build has, 1 = the portable loops (tests compare the two). */
-int cbgen_paged_decode(const void *q, const void *kc, const void *vc, const int32_t *block_table,
+int cbgen_paged_decode(const void *q, int64_t q_stride, const void *kc, const void *vc, const int32_t *block_table,
                        int64_t table_stride, const int32_t *seq_lens, void *out, int64_t B, int H,
                        int Hkv, int D, int bs, float scale, int64_t window, float softcap, int dtype,
                        int impl) {
@@ -248,12 +305,12 @@ int cbgen_paged_decode(const void *q, const void *kc, const void *vc, const int3
             const int h0 = (int)(task % split) * per;
 #if CB_HAVE_FAST
             if (fast) {
-                decode_task_fast(q, kc, vc, block_table + b * table_stride, seq_lens[b], b, h0, h0 + per, H,
+                decode_task_fast(q, q_stride, kc, vc, block_table + b * table_stride, seq_lens[b], b, h0, h0 + per, H,
                                  Hkv, D, bs, scale, window, softcap, dtype, out, ws, cap);
                 continue;
             }
 #endif
-            decode_task(q, kc, vc, block_table + b * table_stride, seq_lens[b], b, h0, h0 + per, H, Hkv, D,
+            decode_task(q, q_stride, kc, vc, block_table + b * table_stride, seq_lens[b], b, h0, h0 + per, H, Hkv, D,
                         bs, scale, window, softcap, dtype, out, ws, cap);
         }
         free(ws);
@@ -261,15 +318,16 @@ int cbgen_paged_decode(const void *q, const void *kc, const void *vc, const int3
     return failed ? 3 : 0;
 }
 
-/* Copies each token's keys and values ([Hkv * D] contiguous elements) into its slot. */
-int cbgen_store_kv(const void *key, const void *value, void *k_cache, void *v_cache,
-                   const int64_t *slot_mapping, int64_t T, int64_t row_elems, int elem_size) {
+/* Copies each token's keys and values ([Hkv * D] contiguous elements; rows `*_stride` elements apart)
+ * into its slot. */
+int cbgen_store_kv(const void *key, int64_t key_stride, const void *value, int64_t value_stride, void *k_cache,
+                   void *v_cache, const int64_t *slot_mapping, int64_t T, int64_t row_elems, int elem_size) {
     const size_t row_bytes = (size_t)row_elems * elem_size;
     for (int64_t t = 0; t < T; ++t) {
         const int64_t slot = slot_mapping[t];
         if (slot < 0) continue;
-        memcpy((char *)k_cache + slot * row_bytes, (const char *)key + t * row_bytes, row_bytes);
-        memcpy((char *)v_cache + slot * row_bytes, (const char *)value + t * row_bytes, row_bytes);
+        memcpy((char *)k_cache + slot * row_bytes, (const char *)key + t * key_stride * elem_size, row_bytes);
+        memcpy((char *)v_cache + slot * row_bytes, (const char *)value + t * value_stride * elem_size, row_bytes);
     }
     return 0;
 }
