@@ -257,3 +257,19 @@ def test_packed_linears_follow_weight_changes(dtype) -> None:
     layer.weight.data.copy_(torch.randn(384, 256, generator=gen).to(dtype))  # no version bump
     packed.clear()
     assert torch.equal(packed(x, layer), nn.functional.linear(x, layer.weight, layer.bias))
+
+
+def test_rotary_table_matches_the_module() -> None:
+    """cos/sin rows come from a table the rotary module filled (grown on demand), and equal what the
+    module computes for the same positions (to an ulp: vector and scalar tails of cos/sin)."""
+    model = make_model("llama")
+    decoder = FusedDecoder(model)
+    rotary = model.model.rotary_emb
+    hidden = torch.zeros(5, model.config.hidden_size)
+    for positions in ([0, 3, 7, 100, 255], [300, 1000, 2, 5, 9]):  # the second outgrows the table
+        pos = torch.tensor(positions)
+        cos, sin = decoder._rotary(rotary, hidden, pos)
+        want_cos, want_sin = rotary(hidden[None], pos[None])
+        torch.testing.assert_close(cos, want_cos[0], atol=1e-6, rtol=0)
+        torch.testing.assert_close(sin, want_sin[0], atol=1e-6, rtol=0)
+    assert decoder._rope[1].shape[0] >= 1001

@@ -169,6 +169,17 @@ class BlockManager:
         ``cached_blocks`` (from :meth:`match_prefix`, first schedule only) are taken as the computed
         prefix.  Returns False, changing nothing, when the pool is short.
         """
+        if not cached_blocks:  # every running request, every step: the short way
+            need = -(-(request.num_computed_tokens + num_new_tokens) // self.block_size) - len(
+                request.block_ids
+            )
+            if need <= 0:
+                return True
+            if need > len(self._free):
+                return False
+            for _ in range(need):
+                request.block_ids.append(self._take_free_block())
+            return True
         have = len(request.block_ids) + len(cached_blocks)
         computed = request.num_computed_tokens + len(cached_blocks) * self.block_size
         need = self.blocks_needed(computed + num_new_tokens) - have

@@ -129,6 +129,25 @@ def paged_attention_forward(
             softcap=softcap,
             max_seq_len=meta.row_prefill_max_len,
         )
+    attend_prefill_chunks(meta, query, key, value, k_cache, v_cache, scale, sliding_window, softcap, out)
+    return out[None], None
+
+
+def attend_prefill_chunks(
+    meta: AttentionMetadata,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    scale: float,
+    sliding_window: int | None,
+    softcap: float | None,
+    out: torch.Tensor,
+) -> None:
+    """SDPA for each prefill chunk of the step that is not attended as decode rows, into its rows of
+    ``out [T, H, D]`` (``query [1, H, T, D]``, ``key``/``value`` ``[1, Hkv, T, D]``; the chunk's KV is
+    already in the cache)."""
     for seq in meta.prefills:
         if seq.as_rows:
             continue
@@ -141,10 +160,9 @@ def paged_attention_forward(
             total = seq.ctx_len + seq.q_len
             ks = paged_ops.gather_kv(k_cache, seq.block_table[None], total)
             vs = paged_ops.gather_kv(v_cache, seq.block_table[None], total)
-        mask = _prefill_mask(seq.q_len, seq.ctx_len, sliding_window, q.device)
+        mask = _prefill_mask(seq.q_len, seq.ctx_len, sliding_window, query.device)
         res = paged_ops.attend(qs, ks, vs, mask, scale, softcap, is_causal=mask is None)
         out[seq.q_start : end] = res[0].transpose(0, 1)
-    return out[None], None
 
 
 def _decode(meta, q, k_cache, v_cache, scale, sliding_window, softcap) -> torch.Tensor:

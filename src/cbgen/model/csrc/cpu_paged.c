@@ -229,15 +229,40 @@ static inline __attribute__((always_inline)) void decode_task_avx512(
             } else {
                 for (int r = 0; r < R; ++r) {
                     const int64_t hd = (int64_t)(h0 + r / G) * D;
-                    __m512 av[16];
-                    for (int i = 0; i < nv; ++i) av[i] = _mm512_loadu_ps(acc + r * D + i * 16);
                     const float *pg = scores + (size_t)r * cap + (j - start);
-                    for (int64_t t = 0; t < cnt; ++t) {
-                        const int64_t o = first + t * tok_stride + hd;
-                        const __m512 pv = _mm512_set1_ps(pg[t]);
-                        for (int i = 0; i < nv; ++i) av[i] = _mm512_fmadd_ps(pv, ld16(vc, o + i * 16, dtype), av[i]);
+                    float *ar = acc + r * D;
+                    if (nv <= 4) {
+                        /* Small heads: four accumulator sets over alternating tokens, so the FMA
+                         * latency chain of a single set (one token per 4 cycles) does not bound it. */
+                        __m512 a[4][4];
+                        for (int u = 0; u < 4; ++u)
+                            for (int i = 0; i < nv; ++i) a[u][i] = u ? _mm512_setzero_ps() : _mm512_loadu_ps(ar + i * 16);
+                        int64_t t = 0;
+                        for (; t + 4 <= cnt; t += 4)
+                            for (int u = 0; u < 4; ++u) {
+                                const int64_t o = first + (t + u) * tok_stride + hd;
+                                const __m512 pv = _mm512_set1_ps(pg[t + u]);
+                                for (int i = 0; i < nv; ++i)
+                                    a[u][i] = _mm512_fmadd_ps(pv, ld16(vc, o + i * 16, dtype), a[u][i]);
+                            }
+                        for (; t < cnt; ++t) {
+                            const int64_t o = first + t * tok_stride + hd;
+                            const __m512 pv = _mm512_set1_ps(pg[t]);
+                            for (int i = 0; i < nv; ++i) a[0][i] = _mm512_fmadd_ps(pv, ld16(vc, o + i * 16, dtype), a[0][i]);
+                        }
+                        for (int i = 0; i < nv; ++i)
+                            _mm512_storeu_ps(ar + i * 16, _mm512_add_ps(_mm512_add_ps(a[0][i], a[1][i]),
+                                                                        _mm512_add_ps(a[2][i], a[3][i])));
+                    } else {
+                        __m512 av[16];
+                        for (int i = 0; i < nv; ++i) av[i] = _mm512_loadu_ps(ar + i * 16);
+                        for (int64_t t = 0; t < cnt; ++t) {
+                            const int64_t o = first + t * tok_stride + hd;
+                            const __m512 pv = _mm512_set1_ps(pg[t]);
+                            for (int i = 0; i < nv; ++i) av[i] = _mm512_fmadd_ps(pv, ld16(vc, o + i * 16, dtype), av[i]);
+                        }
+                        for (int i = 0; i < nv; ++i) _mm512_storeu_ps(ar + i * 16, av[i]);
                     }
-                    for (int i = 0; i < nv; ++i) _mm512_storeu_ps(acc + r * D + i * 16, av[i]);
                 }
             }
             j += cnt;
@@ -263,10 +288,14 @@ static void decode_task_fast(const void *q, int64_t qs, const void *kc, const vo
     if (dtype == 0) {
         if (D == 64) CB_CALL(64, 0);
         else if (D == 128) CB_CALL(128, 0);
+        else if (D == 16) CB_CALL(16, 0);
+        else if (D == 32) CB_CALL(32, 0);
         else CB_CALL(D, 0);
     } else {
         if (D == 64) CB_CALL(64, 1);
         else if (D == 128) CB_CALL(128, 1);
+        else if (D == 16) CB_CALL(16, 1);
+        else if (D == 32) CB_CALL(32, 1);
         else CB_CALL(D, 1);
     }
 #undef CB_CALL
