@@ -715,9 +715,11 @@ def test_sampled_batch_needs_no_device_read_back(monkeypatch, sampler_mode) -> N
             assert sorted(probs[ids], reverse=True) == pytest.approx(sorted(probs, reverse=True)[:k])
 
 
-def test_cpu_greedy_kernel_matches_general_path(monkeypatch, sampler_mode) -> None:
-    """Unmodified greedy batches on the CPU take one C kernel: same tokens (first maximum, NaN as the
-    maximum), raw logprobs and failure flags as the general path."""
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpu_greedy_kernel_matches_general_path(monkeypatch, sampler_mode, dtype) -> None:
+    """Unmodified greedy batches on the CPU take one C kernel (bfloat16 logits read as they are):
+    same tokens (first maximum, NaN as the maximum), raw logprobs and failure flags as the general
+    path."""
     from cbgen.model import cpu_kernels
 
     if sampler_mode != "sync" or not cpu_kernels.available():
@@ -732,6 +734,7 @@ def test_cpu_greedy_kernel_matches_general_path(monkeypatch, sampler_mode) -> No
     logits[3, 5] = float("inf")
     logits[4, 100:103] = 50.0  # a tie: the first index wins
     logits[5, :] = 0.0
+    logits = logits.to(dtype)
     reqs = [make_request(SamplingParams(temperature=0)) for _ in range(9)]
     fast = sampler_module.Sampler(3001, sync_free=False)(logits, reqs)
     general = sampler_module.Sampler(3001, sync_free=True)(logits, reqs)

@@ -105,7 +105,7 @@ def _build() -> ctypes.CDLL:
     lib.cbgen_add_rmsnorm.argtypes = [ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, f32, i32]
     lib.cbgen_rope.argtypes = [ptr, ptr, ptr, ptr, i64, i32, i32, i32, i64, i64, i32]
     lib.cbgen_silu_mul.argtypes = [ptr, ptr, ptr, i64, i64, i64, i64, i64, i32]
-    lib.cbgen_greedy_rows.argtypes = [ptr, i64, i64, i64, ptr, ptr, ptr]
+    lib.cbgen_greedy_rows.argtypes = [ptr, i64, i64, i64, ptr, ptr, ptr, i32]
     for fn in (lib.cbgen_add_rmsnorm, lib.cbgen_rope, lib.cbgen_silu_mul, lib.cbgen_greedy_rows):
         fn.restype = i32
     return lib
@@ -338,14 +338,21 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor, out: torch.Tensor) -> torch.T
 
 
 def greedy_rows(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """For each row of float32 ``logits [B, V]`` (unit column stride): the first index of its maximum
-    (NaN counts as the maximum), the maximum, and its log-sum-exp in float64 (NaN / +-inf when the
-    maximum is not finite)."""
+    """For each row of float32 or bfloat16 ``logits [B, V]`` (unit column stride): the first index of
+    its maximum (NaN counts as the maximum), the maximum (float32), and its log-sum-exp in float64
+    (NaN / +-inf when the maximum is not finite)."""
     rows, vocab = logits.shape
     argmax = torch.empty(rows, dtype=torch.int64)
     maxv = torch.empty(rows, dtype=torch.float32)
     lse = torch.empty(rows, dtype=torch.float64)
     _lib.cbgen_greedy_rows(
-        logits.data_ptr(), rows, vocab, logits.stride(0), argmax.data_ptr(), maxv.data_ptr(), lse.data_ptr()
+        logits.data_ptr(),
+        rows,
+        vocab,
+        logits.stride(0),
+        argmax.data_ptr(),
+        maxv.data_ptr(),
+        lse.data_ptr(),
+        _DTYPES[logits.dtype],
     )
     return argmax, maxv, lse

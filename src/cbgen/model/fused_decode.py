@@ -18,6 +18,8 @@ transformers path.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 from torch.nn import functional as F
@@ -209,14 +211,15 @@ _PACK_ROWS = 64
 _PACK_MIN_ELEMS = 1 << 16
 
 
-def _stamp(modules: tuple[nn.Linear, ...]) -> tuple:
-    """What identifies the values of ``modules``' weights and biases: tensor, version, storage."""
-    return tuple((t, t._version, t.data_ptr()) for m in modules for t in (m.weight, m.bias) if t is not None)
-
-
-def _same(a: tuple, b: tuple) -> bool:
-    # Tensors compare by identity here (== on tensors would compare their values).
-    return len(a) == len(b) and all(x[0] is y[0] and x[1:] == y[1:] for x, y in zip(a, b))
+def _stamp(modules: tuple[nn.Linear, ...]) -> list[int]:
+    """What identifies the values of ``modules``' weights and biases: tensor, version, storage (as
+    ints, so a check is one list comparison; the cache entry holds the tensors, so ids stay valid)."""
+    out: list[int] = []
+    for m in modules:
+        for t in (m.weight, m.bias):
+            if t is not None:
+                out += (id(t), t._version, t.data_ptr())
+    return out
 
 
 class PackedLinears:
@@ -234,7 +237,7 @@ class PackedLinears:
 
     def __init__(self, dtype: torch.dtype, enabled: bool = True) -> None:
         self._ops = _pack_ops(dtype) if enabled else None
-        self._cache: dict[tuple[int, ...], tuple[tuple, torch.Tensor, torch.Tensor, torch.Tensor | None]] = {}
+        self._cache: dict[tuple[int, ...], tuple] = {}
 
     @property
     def enabled(self) -> bool:
@@ -264,7 +267,7 @@ class PackedLinears:
             return tuple(F.linear(x, m.weight, m.bias) for m in modules)
         key = tuple(map(id, modules))
         entry = self._cache.get(key)
-        if entry is None or not _same(entry[0], _stamp(modules)):
+        if entry is None or entry[0] != _stamp(modules):
             try:
                 entry = self._pack(modules, packed=not small)
             except RuntimeError:  # this build or CPU cannot: plain linears from now on
@@ -281,7 +284,9 @@ class PackedLinears:
         return out.split([m.weight.shape[0] for m in modules], dim=1)
 
     def _pack(self, modules: tuple[nn.Linear, ...], packed: bool) -> tuple:
-        """(stamp, packed weight or None, plain weight or its shape stand-in, bias) for ``modules``."""
+        """(stamp, packed weight or None, plain weight or its shape stand-in, bias, the stamped
+        tensors) for ``modules``."""
+        held = [t for m in modules for t in (m.weight, m.bias) if t is not None]
         with torch.no_grad():
             weights = [m.weight.detach() for m in modules]
             weight = weights[0] if len(modules) == 1 else torch.cat(weights)
@@ -294,11 +299,81 @@ class PackedLinears:
                     ]
                 )
             if not packed:
-                return (_stamp(modules), None, weight, bias)
+                return (_stamp(modules), None, weight, bias, held)
             # The apply op reads only the shape of its plain weight while the row count matches the
             # packing, which group() guarantees: a zero-stride stand-in keeps no second copy.
             shape_ref = weight if len(modules) == 1 else weight.new_zeros(1, 1).expand(weight.shape)
-            return (_stamp(modules), self._ops[0](weight), shape_ref, bias)
+            return (_stamp(modules), self._ops[0](weight), shape_ref, bias, held)
+
+
+@dataclass(frozen=True)
+class _LayerPlan:
+    """One decoder layer's modules and constants as the fused forward uses them.  Parameters are
+    held as objects (their values are read at every step); norms as (weight, eps)."""
+
+    attn: nn.Module
+    qkv: tuple[nn.Linear, nn.Linear, nn.Linear]
+    o_proj: nn.Linear
+    gate_up: tuple[nn.Linear, nn.Linear]
+    down_proj: nn.Linear
+    in_norm: tuple[torch.Tensor, float]
+    post_norm: tuple[torch.Tensor, float]
+    qk_norms: tuple[tuple[torch.Tensor, float], tuple[torch.Tensor, float]] | None
+    head_dim: int
+    scaling: float
+    window: int
+    layer_idx: int
+
+
+def _norm(module: nn.Module) -> tuple[torch.Tensor, float]:
+    return module.weight, float(module.variance_epsilon)
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """What a step reads from the model, looked up once per structure check instead of through
+    ~25 ``nn.Module`` attribute lookups per layer per step."""
+
+    dtype: torch.dtype
+    embed: nn.Module
+    rotary: nn.Module
+    lm_head: nn.Linear
+    layers: tuple[_LayerPlan, ...]
+    next_norms: tuple[tuple[torch.Tensor, float], ...]  # layer i+1's input norm; the final norm last
+
+    @classmethod
+    def of(cls, model: nn.Module) -> _Plan:
+        """The plan of a model :func:`unsupported_reason` accepts."""
+        inner = model.model
+        layers = []
+        for layer in inner.layers[: model.config.num_hidden_layers]:
+            attn, mlp = layer.self_attn, layer.mlp
+            q_norm = getattr(attn, "q_norm", None)
+            layers.append(
+                _LayerPlan(
+                    attn=attn,
+                    qkv=(attn.q_proj, attn.k_proj, attn.v_proj),
+                    o_proj=attn.o_proj,
+                    gate_up=(mlp.gate_proj, mlp.up_proj),
+                    down_proj=mlp.down_proj,
+                    in_norm=_norm(layer.input_layernorm),
+                    post_norm=_norm(layer.post_attention_layernorm),
+                    qk_norms=None if q_norm is None else (_norm(q_norm), _norm(attn.k_norm)),
+                    head_dim=int(attn.head_dim),
+                    scaling=float(attn.scaling),
+                    window=_window(attn),
+                    layer_idx=attn.layer_idx,
+                )
+            )
+        norms = (*(layer.in_norm for layer in layers[1:]), _norm(inner.norm))
+        return cls(
+            model.lm_head.weight.dtype,
+            inner.embed_tokens,
+            inner.rotary_emb,
+            model.lm_head,
+            tuple(layers),
+            norms,
+        )
 
 
 class FusedDecoder:
@@ -315,6 +390,7 @@ class FusedDecoder:
         self._snap: tuple | None = None
         self._params: list[nn.Parameter] = []
         self._rope: tuple | None = None  # (key, cos table, sin table), see _rotary
+        self._plan: _Plan | None = None  # the modules each step reads, rebuilt with the snapshot
         self._ok = False
         self._prepack = prepack
         self._linear: PackedLinears | None = None
@@ -356,6 +432,7 @@ class FusedDecoder:
         )
         self._ok = _structure_reason(self.model) is None and _contiguous_weights(self.model)
         self._linear = None  # modules or parameters changed: repack from scratch
+        self._plan = None
         return self._ok
 
     def _rotary(
@@ -395,17 +472,16 @@ class FusedDecoder:
         """
         if not cpu_kernels.available() or not self._still_ok():
             return None
-        model = self.model
-        inner = model.model
-        layers = inner.layers[: model.config.num_hidden_layers]
-        dtype = model.lm_head.weight.dtype
-        if any(cache.dtype != dtype for cache, _ in meta.kv_caches):
+        plan = self._plan
+        if plan is None:
+            plan = self._plan = _Plan.of(self.model)
+        if any(cache.dtype != plan.dtype for cache, _ in meta.kv_caches):
             return None
         if self._linear is None:
-            self._linear = PackedLinears(dtype, enabled=self._prepack)
+            self._linear = PackedLinears(plan.dtype, enabled=self._prepack)
         linear = self._linear
-        hidden = inner.embed_tokens(input_ids)
-        cos, sin = self._rotary(inner.rotary_emb, hidden, positions)
+        hidden = plan.embed(input_ids)
+        cos, sin = self._rotary(plan.rotary, hidden, positions)
         tokens = hidden.shape[0]
         mixed = bool(meta.prefills)
         if not mixed:
@@ -413,42 +489,37 @@ class FusedDecoder:
             seq_lens = meta.decode_seq_lens.to(torch.int32).contiguous()
             slots = meta.slot_mapping.to(torch.int64).contiguous()
         x = torch.empty_like(hidden)
-        first = layers[0].input_layernorm
-        cpu_kernels.add_rmsnorm(hidden, None, first.weight, first.variance_epsilon, x)
-        for i, layer in enumerate(layers):
-            attn, mlp = layer.self_attn, layer.mlp
-            d = attn.head_dim
-            q, k, v = linear.group(x, (attn.q_proj, attn.k_proj, attn.v_proj))
-            q_norm = getattr(attn, "q_norm", None)
-            if q_norm is not None:
+        add_rmsnorm = cpu_kernels.add_rmsnorm
+        add_rmsnorm(hidden, None, *plan.layers[0].in_norm, x)
+        for layer, next_norm in zip(plan.layers, plan.next_norms):
+            d = layer.head_dim
+            q, k, v = linear.group(x, layer.qkv)
+            if layer.qk_norms is not None:
                 q, k = q.contiguous(), k.contiguous()  # the norm runs over [T * heads, d] rows
                 qh, kh = q.view(-1, d), k.view(-1, d)
-                cpu_kernels.add_rmsnorm(qh, None, q_norm.weight, q_norm.variance_epsilon, qh)
-                cpu_kernels.add_rmsnorm(kh, None, attn.k_norm.weight, attn.k_norm.variance_epsilon, kh)
+                add_rmsnorm(qh, None, *layer.qk_norms[0], qh)
+                add_rmsnorm(kh, None, *layer.qk_norms[1], kh)
             cpu_kernels.rope_(q, k, cos, sin, d)
-            heads = q.shape[1] // d
             if mixed:
-                out = _mixed_attention(attn, q, k, v, d, meta)
+                out = _mixed_attention(layer.attn, q, k, v, d, meta)
             else:
-                k_cache, v_cache = meta.kv_caches[attn.layer_idx]
+                k_cache, v_cache = meta.kv_caches[layer.layer_idx]
                 cpu_kernels.store_direct(k, v, k_cache, v_cache, slots)
                 out = cpu_kernels.decode_direct(
-                    q.view(tokens, heads, d),  # a view of the q/k/v GEMM's output: rows are strided
+                    q.view(tokens, -1, d),  # a view of the q/k/v GEMM's output: rows are strided
                     k_cache,
                     v_cache,
                     table,
                     seq_lens,
-                    float(attn.scaling),
-                    _window(attn),
+                    layer.scaling,
+                    layer.window,
                     0.0,
                 )
-            delta = linear(out.view(tokens, -1), attn.o_proj)
-            norm = layer.post_attention_layernorm
-            cpu_kernels.add_rmsnorm(hidden, delta, norm.weight, norm.variance_epsilon, x)
-            gate, up = linear.group(x, (mlp.gate_proj, mlp.up_proj))
+            delta = linear(out.view(tokens, -1), layer.o_proj)
+            add_rmsnorm(hidden, delta, *layer.post_norm, x)
+            gate, up = linear.group(x, layer.gate_up)
             act = cpu_kernels.silu_mul(gate, up, gate if gate.is_contiguous() else x.new_empty(up.shape))
-            delta = linear(act, mlp.down_proj)
-            norm = layers[i + 1].input_layernorm if i + 1 < len(layers) else inner.norm
-            cpu_kernels.add_rmsnorm(hidden, delta, norm.weight, norm.variance_epsilon, x)
+            delta = linear(act, layer.down_proj)
+            add_rmsnorm(hidden, delta, *next_norm, x)
         picked = x.index_select(0, rows)
-        return linear(picked, model.lm_head)
+        return linear(picked, plan.lm_head)

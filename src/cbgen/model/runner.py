@@ -271,13 +271,16 @@ class ModelRunner:
         meta = batch.meta
         meta.kv_caches = self.kv_cache.layers
         meta.decode_fn, meta.store_fn = self.decode_fn, self.store_fn
+        if self.fused is not None:
+            # Outside _paged_mode: the fused path calls no module whose result depends on the
+            # attention setting or on training mode (it computes the eval-mode math itself), and
+            # that mode switch walks every module of the model (~1 ms a step for 30 layers).
+            logits = self.fused.forward(batch.input_ids, batch.positions, batch.logits_indices, meta)
+            if logits is not None:
+                return logits
         with self._paged_mode():
             if self.static is not None and self.static.can_run(batch):
                 return self.static.run(batch)
-            if self.fused is not None:
-                logits = self.fused.forward(batch.input_ids, batch.positions, batch.logits_indices, meta)
-                if logits is not None:
-                    return logits
             return self._forward(batch.input_ids, batch.positions, batch.logits_indices, meta)
 
     def weights_changed(self) -> None:

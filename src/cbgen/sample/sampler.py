@@ -201,19 +201,19 @@ class Sampler:
         params = BatchParams.from_requests(requests, vocab)
         failed: dict[int, str] = {}
 
-        if logits.dtype == torch.float32 and logits.is_contiguous():
-            raw = logits  # read only from here on
-        else:
-            raw = self._buffer("raw", num_rows, vocab, dev).copy_(logits)
         sync_free = self.sync_free if self.sync_free is not None else dev.type != "cpu"
         if (
             not sync_free
             and not params.sampled_rows
             and not params.any_modified
             and params.num_top_logprobs == 0
-            and _cpu_greedy_kernel(raw)
+            and _cpu_greedy_kernel(logits)
         ):
-            return _greedy_on_cpu(raw)
+            return _greedy_on_cpu(logits)  # reads bfloat16 logits as they are (no float32 copy)
+        if logits.dtype == torch.float32 and logits.is_contiguous():
+            raw = logits  # read only from here on
+        else:
+            raw = self._buffer("raw", num_rows, vocab, dev).copy_(logits)
         proc = raw
         if params.any_modified:
             proc = self._buffer("proc", num_rows, vocab, dev).copy_(raw)
@@ -689,8 +689,9 @@ class Sampler:
 
 
 def _cpu_greedy_kernel(raw: torch.Tensor) -> bool:
-    """Whether :func:`_greedy_on_cpu` can take these logits (float32 rows on the CPU, kernels built)."""
-    if raw.device.type != "cpu" or raw.dtype != torch.float32 or raw.stride(1) != 1:
+    """Whether :func:`_greedy_on_cpu` can take these logits (float32 or bfloat16 rows on the CPU,
+    kernels built)."""
+    if raw.device.type != "cpu" or raw.dtype not in (torch.float32, torch.bfloat16) or raw.stride(1) != 1:
         return False
     from cbgen.model import cpu_kernels
 

@@ -235,31 +235,32 @@ int cbgen_silu_mul(const void *gate, const void *up, void *out, int64_t rows, in
     return 0;
 }
 
-/* Greedy rows of the sampler in one kernel: for each row of x [B, V] (float32, row stride
+/* Greedy rows of the sampler in one kernel: for each row of x [B, V] (float32 or bf16, row stride
  * `stride`), the first index of its maximum (a NaN counts as the maximum, as in torch.argmax), the
  * maximum itself, and log(sum(exp(x - max))) + max in double.  Why: for a greedy batch the sampler
  * otherwise makes several passes over B x V logits (block maxima, argmax, a shifted exp, sums), which
  * at SmolLM2's 49k vocabulary cost ~10 ms a step; this is one read for the maximum, one for the sum. */
-int cbgen_greedy_rows(const float *x, int64_t B, int64_t V, int64_t stride, int64_t *argmax, float *maxv,
-                      double *lse) {
+static inline __attribute__((always_inline)) void greedy_rows_impl(const void *x, int64_t B, int64_t V,
+                                                                   int64_t stride, int64_t *argmax,
+                                                                   float *maxv, double *lse, const int dtype) {
 #pragma omp parallel for schedule(static) if (BIG(B * V))
     for (int64_t r = 0; r < B; ++r) {
-        const float *row = x + r * stride;
+        const int64_t row = r * stride;
         /* Vectorised maximum and NaN test, then a scan for the first index holding it. */
         float m = -INFINITY;
         int nan = 0;
 #pragma omp simd reduction(max : m) reduction(| : nan)
         for (int64_t i = 0; i < V; ++i) {
-            const float v = row[i];
+            const float v = ld(x, row + i, dtype);
             m = v > m ? v : m;
             nan |= v != v;
         }
         int64_t best = 0;
         if (nan) {
-            while (row[best] == row[best]) ++best;
-            m = row[best];
+            while (ld(x, row + best, dtype) == ld(x, row + best, dtype)) ++best;
+            m = ld(x, row + best, dtype);
         } else {
-            while (best < V - 1 && row[best] != m) ++best;
+            while (best < V - 1 && ld(x, row + best, dtype) != m) ++best;
         }
         argmax[r] = best;
         maxv[r] = m;
@@ -272,10 +273,19 @@ int cbgen_greedy_rows(const float *x, int64_t B, int64_t V, int64_t stride, int6
             const int64_t e = c + 1024 < V ? c + 1024 : V;
             float part = 0.0f;
 #pragma omp simd reduction(+ : part)
-            for (int64_t i = c; i < e; ++i) part += exp_approx(row[i] - m);
+            for (int64_t i = c; i < e; ++i) part += exp_approx(ld(x, row + i, dtype) - m);
             total += part;
         }
         lse[r] = (double)m + log(total);
     }
+}
+
+/* dtype 0 = float32, 1 = bfloat16 logits (read as float32 values, exactly: no copy first). */
+int cbgen_greedy_rows(const void *x, int64_t B, int64_t V, int64_t stride, int64_t *argmax, float *maxv,
+                      double *lse, int dtype) {
+    if (dtype == 0)
+        greedy_rows_impl(x, B, V, stride, argmax, maxv, lse, 0);
+    else
+        greedy_rows_impl(x, B, V, stride, argmax, maxv, lse, 1);
     return 0;
 }
