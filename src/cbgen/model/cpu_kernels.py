@@ -345,7 +345,7 @@ def greedy_rows(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch
     argmax = torch.empty(rows, dtype=torch.int64)
     maxv = torch.empty(rows, dtype=torch.float32)
     lse = torch.empty(rows, dtype=torch.float64)
-    _lib.cbgen_greedy_rows(
+    rc = _lib.cbgen_greedy_rows(
         logits.data_ptr(),
         rows,
         vocab,
@@ -355,4 +355,6 @@ def greedy_rows(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch
         lse.data_ptr(),
         _DTYPES[logits.dtype],
     )
+    if rc:
+        raise MemoryError("cbgen_greedy_rows could not allocate its row buffer")
     return argmax, maxv, lse

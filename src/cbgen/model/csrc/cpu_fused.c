@@ -12,6 +12,7 @@
  */
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "cbgen_numerics.h"
@@ -240,52 +241,65 @@ int cbgen_silu_mul(const void *gate, const void *up, void *out, int64_t rows, in
  * maximum itself, and log(sum(exp(x - max))) + max in double.  Why: for a greedy batch the sampler
  * otherwise makes several passes over B x V logits (block maxima, argmax, a shifted exp, sums), which
  * at SmolLM2's 49k vocabulary cost ~10 ms a step; this is one read for the maximum, one for the sum. */
-static inline __attribute__((always_inline)) void greedy_rows_impl(const void *x, int64_t B, int64_t V,
-                                                                   int64_t stride, int64_t *argmax,
-                                                                   float *maxv, double *lse, const int dtype) {
-#pragma omp parallel for schedule(static) if (BIG(B * V))
-    for (int64_t r = 0; r < B; ++r) {
-        const int64_t row = r * stride;
-        /* Vectorised maximum and NaN test, then a scan for the first index holding it. */
-        float m = -INFINITY;
-        int nan = 0;
+static void greedy_row(const float *row, int64_t V, int64_t *argmax, float *maxv, double *lse) {
+    /* Vectorised maximum and NaN test, then a scan for the first index holding it. */
+    float m = -INFINITY;
+    int nan = 0;
 #pragma omp simd reduction(max : m) reduction(| : nan)
-        for (int64_t i = 0; i < V; ++i) {
-            const float v = ld(x, row + i, dtype);
-            m = v > m ? v : m;
-            nan |= v != v;
-        }
-        int64_t best = 0;
-        if (nan) {
-            while (ld(x, row + best, dtype) == ld(x, row + best, dtype)) ++best;
-            m = ld(x, row + best, dtype);
-        } else {
-            while (best < V - 1 && ld(x, row + best, dtype) != m) ++best;
-        }
-        argmax[r] = best;
-        maxv[r] = m;
-        if (nan || m == INFINITY || m == -INFINITY) {
-            lse[r] = nan ? (double)NAN : (m == INFINITY ? (double)INFINITY : -(double)INFINITY);
-            continue;
-        }
-        double total = 0.0;
-        for (int64_t c = 0; c < V; c += 1024) {
-            const int64_t e = c + 1024 < V ? c + 1024 : V;
-            float part = 0.0f;
-#pragma omp simd reduction(+ : part)
-            for (int64_t i = c; i < e; ++i) part += exp_approx(ld(x, row + i, dtype) - m);
-            total += part;
-        }
-        lse[r] = (double)m + log(total);
+    for (int64_t i = 0; i < V; ++i) {
+        const float v = row[i];
+        m = v > m ? v : m;
+        nan |= v != v;
     }
+    int64_t best = 0;
+    if (nan) {
+        while (row[best] == row[best]) ++best;
+        m = row[best];
+    } else {
+        while (best < V - 1 && row[best] != m) ++best;
+    }
+    *argmax = best;
+    *maxv = m;
+    if (nan || m == INFINITY || m == -INFINITY) {
+        *lse = nan ? (double)NAN : (m == INFINITY ? (double)INFINITY : -(double)INFINITY);
+        return;
+    }
+    double total = 0.0;
+    for (int64_t c = 0; c < V; c += 1024) {
+        const int64_t e = c + 1024 < V ? c + 1024 : V;
+        float part = 0.0f;
+#pragma omp simd reduction(+ : part)
+        for (int64_t i = c; i < e; ++i) part += exp_approx(row[i] - m);
+        total += part;
+    }
+    *lse = (double)m + log(total);
 }
 
-/* dtype 0 = float32, 1 = bfloat16 logits (read as float32 values, exactly: no copy first). */
+/* dtype 0 = float32, 1 = bfloat16 logits (each row widened into a per-thread float32 buffer first:
+ * the loops above vectorise on float32, and a row of 49k floats stays in L2). */
 int cbgen_greedy_rows(const void *x, int64_t B, int64_t V, int64_t stride, int64_t *argmax, float *maxv,
                       double *lse, int dtype) {
-    if (dtype == 0)
-        greedy_rows_impl(x, B, V, stride, argmax, maxv, lse, 0);
-    else
-        greedy_rows_impl(x, B, V, stride, argmax, maxv, lse, 1);
-    return 0;
+    int failed = 0;
+#pragma omp parallel if (BIG(B * V))
+    {
+        float *buf = dtype == 0 ? NULL : (float *)malloc(sizeof(float) * (size_t)V);
+        if (dtype != 0 && !buf) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < B; ++r) {
+            if (dtype == 0) {
+                greedy_row((const float *)x + r * stride, V, argmax + r, maxv + r, lse + r);
+            } else if (buf) {
+                const uint16_t *src = (const uint16_t *)x + r * stride;
+                uint32_t *dst = (uint32_t *)buf;
+#pragma omp simd
+                for (int64_t i = 0; i < V; ++i) dst[i] = (uint32_t)src[i] << 16;
+                greedy_row(buf, V, argmax + r, maxv + r, lse + r);
+            }
+        }
+        free(buf);
+    }
+    return failed;
 }
