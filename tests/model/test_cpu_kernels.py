@@ -124,3 +124,39 @@ def test_engine_backends_agree(arch: str) -> None:
         assert llm.engine.runner.backend == backend
         runs[backend] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     assert runs["cpu"] == runs["torch"]
+
+
+amx_only = pytest.mark.skipif(
+    not cpu_kernels.amx_available(), reason="no AMX-BF16 on this CPU (or not granted)"
+)
+
+
+@amx_only
+@pytest.mark.parametrize(
+    ("rows", "n", "k"),
+    [(1, 32, 32), (5, 64, 96), (16, 960, 576), (37, 576, 1536), (64, 3072, 576), (300, 96, 64)],
+)
+@pytest.mark.parametrize("bias", [False, True])
+def test_amx_linear_matches_float32_reference(rows: int, n: int, k: int, bias: bool) -> None:
+    """bf16 x bf16 -> bf16 with fp32 sums: the float32 product rounded once (one ulp for sums that
+    land on a rounding tie in another order), for row counts off the 16-row tile size, more than
+    one 256-row chunk, and strided input rows."""
+    gen = torch.Generator().manual_seed(rows * n + k)
+    weight = torch.randn(n, k, generator=gen).to(torch.bfloat16)
+    b = torch.randn(n, generator=gen).to(torch.bfloat16) if bias else None
+    wide = torch.randn(rows, k + 32, generator=gen).to(torch.bfloat16)
+    x = wide[:, 16 : 16 + k]  # row stride k + 32
+    got = cpu_kernels.amx_linear(x, cpu_kernels.amx_pack(weight), b)
+    exact = x.float() @ weight.float().T + (b.float() if bias else 0)
+    assert got.shape == (rows, n) and got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), exact, rtol=2**-7, atol=1e-3)
+    assert (got != exact.to(torch.bfloat16)).float().mean() < 0.01
+
+
+@amx_only
+def test_amx_rejects_shapes_it_does_not_tile() -> None:
+    """Sides that are not multiples of 32 are not packed (the caller keeps oneDNN for those)."""
+    assert cpu_kernels.amx_supports(torch.zeros(64, 96, dtype=torch.bfloat16))
+    assert not cpu_kernels.amx_supports(torch.zeros(48, 96, dtype=torch.bfloat16))
+    assert not cpu_kernels.amx_supports(torch.zeros(64, 40, dtype=torch.bfloat16))
+    assert not cpu_kernels.amx_supports(torch.zeros(64, 96, dtype=torch.float32))

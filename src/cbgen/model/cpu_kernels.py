@@ -1,7 +1,8 @@
 """CPU kernels written in C, compiled on first use and called through ctypes.
 
-``csrc/cpu_paged.c`` (paged decode attention, KV store) and ``csrc/cpu_fused.c`` (residual add +
-RMSNorm, rotary embedding, SiLU-and-multiply for :mod:`cbgen.model.fused_decode`) are compiled with the system C compiler (``$CC``, else ``cc``) into
+``csrc/cpu_paged.c`` (paged decode attention, KV store), ``csrc/cpu_fused.c`` (residual add +
+RMSNorm, rotary embedding, SiLU-and-multiply for :mod:`cbgen.model.fused_decode`) and
+``csrc/cpu_gemm.c`` (bf16 projections on AMX, where the CPU has it) are compiled with the system C compiler (``$CC``, else ``cc``) into
 ``~/.cache/cbgen/kernels`` (``$CBGEN_KERNEL_DIR`` overrides), keyed by a hash of the source, the
 flags and this CPU's feature flags, because ``-march=native`` code must not run on another CPU.
 No compiler, or a failed build, leaves :func:`available` false and the torch reference in use.
@@ -27,11 +28,12 @@ from pathlib import Path
 import torch
 
 from cbgen.model import paged_ops
+from cbgen.utils import advise_huge_pages
 
 log = logging.getLogger("cbgen")
 
 _CSRC = Path(__file__).parent / "csrc"
-_SOURCES = [_CSRC / name for name in ("cpu_paged.c", "cpu_fused.c")]
+_SOURCES = [_CSRC / name for name in ("cpu_paged.c", "cpu_fused.c", "cpu_gemm.c")]
 _HEADERS = [_CSRC / "cbgen_numerics.h"]
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=c11"]
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
@@ -39,6 +41,7 @@ _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
 _error: str | None = None
+_amx: bool | None = None
 
 
 def _cpu_signature() -> str:
@@ -106,7 +109,16 @@ def _build() -> ctypes.CDLL:
     lib.cbgen_rope.argtypes = [ptr, ptr, ptr, ptr, i64, i32, i32, i32, i64, i64, i32]
     lib.cbgen_silu_mul.argtypes = [ptr, ptr, ptr, i64, i64, i64, i64, i64, i32]
     lib.cbgen_greedy_rows.argtypes = [ptr, i64, i64, i64, ptr, ptr, ptr, i32]
-    for fn in (lib.cbgen_add_rmsnorm, lib.cbgen_rope, lib.cbgen_silu_mul, lib.cbgen_greedy_rows):
+    lib.cbgen_amx_linear.argtypes = [ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64]
+    lib.cbgen_amx_init.argtypes = []
+    for fn in (
+        lib.cbgen_add_rmsnorm,
+        lib.cbgen_rope,
+        lib.cbgen_silu_mul,
+        lib.cbgen_greedy_rows,
+        lib.cbgen_amx_linear,
+        lib.cbgen_amx_init,
+    ):
         fn.restype = i32
     return lib
 
@@ -358,3 +370,59 @@ def greedy_rows(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch
     if rc:
         raise MemoryError("cbgen_greedy_rows could not allocate its row buffer")
     return argmax, maxv, lse
+
+
+# ------------------------------------------------------------------------------------------- AMX GEMM
+
+
+def amx_available() -> bool:
+    """Whether the bf16 AMX projections of ``csrc/cpu_gemm.c`` run here: the kernels are built for a
+    CPU with AMX-BF16 and the OS granted this process the tile state."""
+    global _amx
+    if _amx is None:
+        _amx = available() and os.environ.get("CBGEN_AMX", "1") != "0" and _lib.cbgen_amx_init() == 1
+    return _amx
+
+
+def amx_supports(weight: torch.Tensor) -> bool:
+    """Whether :func:`amx_pack` takes ``weight`` (bf16 ``[N, K]`` with N and K multiples of 32)."""
+    return (
+        weight.dtype == torch.bfloat16
+        and weight.dim() == 2
+        and not weight.shape[0] % 32
+        and not weight.shape[1] % 32
+    )
+
+
+def amx_pack(weight: torch.Tensor) -> torch.Tensor:
+    """``weight [N, K]`` rearranged into the tile layout :func:`amx_linear` streams (a copy, on huge
+    pages where granted; see ``csrc/cpu_gemm.c``)."""
+    n, k = weight.shape
+    tiles = weight.detach().view(n // 32, 2, 16, k // 32, 16, 2).permute(0, 3, 1, 4, 2, 5)
+    return advise_huge_pages(torch.empty(tiles.shape, dtype=weight.dtype)).copy_(tiles)
+
+
+def amx_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` from ``packed = amx_pack(weight)``; ``x [M, K]`` bf16 with unit
+    column stride, ``bias`` bf16 or None."""
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    rows, k = x.shape
+    n = packed.shape[0] * 32
+    out = torch.empty((rows, n), dtype=x.dtype)
+    rc = _lib.cbgen_amx_linear(
+        x.data_ptr(),
+        x.stride(0),
+        packed.data_ptr(),
+        None if bias is None else bias.data_ptr(),
+        out.data_ptr(),
+        n,
+        rows,
+        n,
+        k,
+    )
+    if rc:
+        raise RuntimeError(
+            f"cbgen_amx_linear failed with code {rc} for x {tuple(x.shape)}, weight [{n}, {k}]"
+        )
+    return out

@@ -177,38 +177,54 @@ def _contiguous_weights(model: nn.Module) -> bool:
 
 
 def _pack_ops(dtype: torch.dtype):
-    """(pack, apply, rows) for weights the CPU BLAS reorders once instead of at every call, or None.
+    """(pack, apply) for weights the CPU reorders once instead of at every call, or None.
 
-    float32 goes to MKL's packed GEMM, bfloat16 to oneDNN's (AMX where the CPU has it).  Both give
-    results identical to ``F.linear`` (they run the same kernels without the per-call reorder).
-    ``rows``: the only input row count the packed weight serves (MKL packs for one M), or None (any).
+    ``apply(x, packed, weight, bias)`` returns ``F.linear(x, weight, bias)`` from the packed copy, or
+    None for an input it does not serve (the caller then runs plain linears).
+    - float32: MKL's packed GEMM, identical to ``F.linear``; it only runs at the row count it packed
+      for (any other count falls back to a plain GEMM inside MKL), so other counts get None.
+    - bfloat16: the AMX kernel of ``csrc/cpu_gemm.c`` where the CPU has AMX (up to
+      ``_AMX_MAX_ROWS`` rows; weights whose sides are not multiples of 32 go to oneDNN), else
+      oneDNN's packed GEMM (identical to ``F.linear``).
     """
     try:
         if dtype == torch.float32 and torch._C.has_mkl:
             mkl = torch.ops.mkl
-            return (
-                lambda w: mkl._mkl_reorder_linear_weight(w, _PACK_ROWS),
-                lambda x, packed, w, b: mkl._mkl_linear(x, packed, w, b, _PACK_ROWS),
-                _PACK_ROWS,
-            )
+
+            def mkl_apply(x, packed, w, b):
+                return mkl._mkl_linear(x, packed, w, b, _PACK_ROWS) if x.shape[0] == _PACK_ROWS else None
+
+            return (lambda w: mkl._mkl_reorder_linear_weight(w, _PACK_ROWS), mkl_apply)
         if dtype == torch.bfloat16 and torch.backends.mkldnn.is_available():
             dnn = torch.ops.mkldnn
-            if dnn._is_mkldnn_bf16_supported():
-                return (
-                    lambda w: dnn._reorder_linear_weight(w, _PACK_ROWS),
-                    lambda x, packed, w, b: dnn._linear_pointwise(x, packed, b, "none", [], ""),
-                    None,
-                )
+            if not dnn._is_mkldnn_bf16_supported():
+                return None
+            amx = cpu_kernels.amx_available()
+
+            def bf16_pack(w):
+                if amx and cpu_kernels.amx_supports(w):
+                    return cpu_kernels.amx_pack(w)
+                return dnn._reorder_linear_weight(w, _PACK_ROWS)
+
+            def bf16_apply(x, packed, w, b):
+                if packed.dim() != 6:  # oneDNN's
+                    return dnn._linear_pointwise(x, packed, b, "none", [], "")
+                return cpu_kernels.amx_linear(x, packed, b) if x.shape[0] <= _AMX_MAX_ROWS else None
+
+            return (bf16_pack, bf16_apply)
     except (AttributeError, RuntimeError):
         pass
     return None
 
 
-# MKL's packed GEMM only runs at the row count it packed for (any other count falls back to a plain
-# GEMM); 64 rows is where packing pays most (small-M GEMMs, ~20% faster) and oneDNN's hint.
+# MKL's packed GEMM only runs at the row count it packed for; 64 rows is where packing pays most
+# (small-M GEMMs, ~20% faster) and oneDNN's hint.
 _PACK_ROWS = 64
 # Below this a packed GEMM's call overhead (~90 us measured at 256 x 64 x 64) outweighs its gain.
 _PACK_MIN_ELEMS = 1 << 16
+# Above this many rows (prefill chunks) a GEMM is compute bound and torch's own bf16 GEMM is faster
+# than the AMX kernel, which is built for streaming weights past a few rows.
+_AMX_MAX_ROWS = 512
 
 
 def _stamp(modules: tuple[nn.Linear, ...]) -> list[int]:
@@ -248,45 +264,61 @@ class PackedLinears:
         """Drops every packed copy (they are rebuilt on the next use)."""
         self._cache.clear()
 
-    def __call__(self, x: torch.Tensor, module: nn.Linear) -> torch.Tensor:
-        """``F.linear(x, module.weight, module.bias)``."""
-        return self.group(x, (module,))[0]
+    def __call__(self, x: torch.Tensor, module: nn.Linear, checked: bool = True) -> torch.Tensor:
+        """``F.linear(x, module.weight, module.bias)`` (``checked``: see :meth:`group`)."""
+        return self.group(x, (module,), checked)[0]
 
-    def group(self, x: torch.Tensor, modules: tuple[nn.Linear, ...]) -> tuple[torch.Tensor, ...]:
+    def group(
+        self, x: torch.Tensor, modules: tuple[nn.Linear, ...], checked: bool = True
+    ) -> tuple[torch.Tensor, ...]:
         """``F.linear(x, m.weight, m.bias)`` for each of ``modules`` (same input width): column slices
-        of one output when packed (row stride = the summed widths), else separate tensors."""
-        ops = self._ops
-        # Small weights gain nothing from packing (call overhead); a group of them still runs as one
-        # plain GEMM over a concatenated copy (a few hundred KiB at most).
-        small = sum(m.weight.numel() for m in modules) < _PACK_MIN_ELEMS
-        if (
-            ops is None
-            or (small and len(modules) == 1)
-            or (not small and ops[2] is not None and x.shape[0] != ops[2])
-        ):
+        of one output when packed (row stride = the summed widths), else separate tensors.
+
+        ``checked=False`` skips comparing the weights' stamps with the packed copy's: for a caller
+        that saw no weight change since the copy was made (:class:`FusedDecoder` checks every
+        parameter's version once a step, which costs less than ~120 per-call stamps)."""
+        entry = self.entry(modules, checked)
+        if entry is None:
             return tuple(F.linear(x, m.weight, m.bias) for m in modules)
+        packed = entry[1]
+        if packed is not None:
+            out = self._ops[1](x, packed, entry[2], entry[3])
+            if out is None:
+                return tuple(F.linear(x, m.weight, m.bias) for m in modules)
+        elif entry[2] is not None:
+            out = F.linear(x, entry[2], entry[3])
+        else:
+            return tuple(F.linear(x, m.weight, m.bias) for m in modules)
+        return (out,) if entry[5] is None else out.split(entry[5], dim=1)
+
+    def entry(self, modules: tuple[nn.Linear, ...], checked: bool = True) -> tuple | None:
+        """The cache entry of ``modules`` (see :meth:`_pack`), made now if missing or (``checked``)
+        stale; None when this build cannot pack."""
+        if self._ops is None:
+            return None
         key = tuple(map(id, modules))
         entry = self._cache.get(key)
-        if entry is None or entry[0] != _stamp(modules):
+        if entry is None or (checked and entry[0] != _stamp(modules)):
             try:
-                entry = self._pack(modules, packed=not small)
+                entry = self._pack(modules)
             except RuntimeError:  # this build or CPU cannot: plain linears from now on
                 self._ops = None
                 self._cache.clear()
-                return tuple(F.linear(x, m.weight, m.bias) for m in modules)
+                return None
             self._cache[key] = entry
-        if entry[1] is None:
-            out = F.linear(x, entry[2], entry[3])
-        else:
-            out = ops[1](x, entry[1], entry[2], entry[3])
-        if len(modules) == 1:
-            return (out,)
-        return out.split([m.weight.shape[0] for m in modules], dim=1)
+        return entry
 
-    def _pack(self, modules: tuple[nn.Linear, ...], packed: bool) -> tuple:
-        """(stamp, packed weight or None, plain weight or its shape stand-in, bias, the stamped
-        tensors) for ``modules``."""
+    def _pack(self, modules: tuple[nn.Linear, ...]) -> tuple:
+        """(stamp, packed weight or None, plain weight or its shape stand-in or None, bias, the
+        stamped tensors, output widths or None for one module) for ``modules``.  Small weights gain
+        nothing from packing (call overhead): a group of them runs as one plain GEMM over a
+        concatenated copy (a few hundred KiB at most), a single one as its own ``F.linear``
+        (packed and plain weight both None)."""
         held = [t for m in modules for t in (m.weight, m.bias) if t is not None]
+        widths = None if len(modules) == 1 else [m.weight.shape[0] for m in modules]
+        small = sum(m.weight.numel() for m in modules) < _PACK_MIN_ELEMS
+        if small and len(modules) == 1:
+            return (_stamp(modules), None, None, None, held, None)
         with torch.no_grad():
             weights = [m.weight.detach() for m in modules]
             weight = weights[0] if len(modules) == 1 else torch.cat(weights)
@@ -298,12 +330,12 @@ class PackedLinears:
                         for m, w in zip(modules, weights)
                     ]
                 )
-            if not packed:
-                return (_stamp(modules), None, weight, bias, held)
-            # The apply op reads only the shape of its plain weight while the row count matches the
-            # packing, which group() guarantees: a zero-stride stand-in keeps no second copy.
+            if small:
+                return (_stamp(modules), None, weight, bias, held, widths)
+            # The apply ops read only the shape of the plain weight (they return None for inputs
+            # they do not serve): a zero-stride stand-in keeps no second copy.
             shape_ref = weight if len(modules) == 1 else weight.new_zeros(1, 1).expand(weight.shape)
-            return (_stamp(modules), self._ops[0](weight), shape_ref, bias, held)
+            return (_stamp(modules), self._ops[0](weight), shape_ref, bias, held, widths)
 
 
 @dataclass(frozen=True)
@@ -394,6 +426,7 @@ class FusedDecoder:
         self._ok = False
         self._prepack = prepack
         self._linear: PackedLinears | None = None
+        self._versions: list[int] | None = None  # parameter versions the packed copies were made at
 
     def weights_changed(self) -> None:
         """Drops packed weight copies (call when weights changed in a way no version counter shows)."""
@@ -462,6 +495,36 @@ class FusedDecoder:
             table = self._rope = (key, cos[0].contiguous(), sin[0].contiguous())
         return table[1].index_select(0, positions), table[2].index_select(0, positions)
 
+    def _current_plan(self) -> _Plan | None:
+        """The plan for this step, with packed copies that match the weights; None when the model
+        does not qualify (now)."""
+        if not cpu_kernels.available() or not self._still_ok():
+            return None
+        plan = self._plan
+        if plan is None:
+            plan = self._plan = _Plan.of(self.model)
+        if self._linear is None:
+            self._linear = PackedLinears(plan.dtype, enabled=self._prepack)
+            self._versions = None
+        # In-place updates (optimizer steps, copy_) bump version counters: one pass over every
+        # parameter here lets the ~120 projection calls of a step skip their own checks.
+        versions = [p._version for p in self._params]
+        if versions != self._versions:
+            self._linear.clear()
+            self._versions = versions
+        return plan
+
+    def prepare(self) -> None:
+        """Packs every projection now (at engine start) rather than in the first step; the copies
+        stay valid until the weights change."""
+        plan = self._current_plan()
+        if plan is None:
+            return
+        for layer in plan.layers:
+            for modules in (layer.qkv, (layer.o_proj,), layer.gate_up, (layer.down_proj,)):
+                self._linear.entry(modules)
+        self._linear.entry((plan.lm_head,))
+
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor, meta: AttentionMetadata
     ) -> torch.Tensor | None:
@@ -470,15 +533,9 @@ class FusedDecoder:
         Decode-only steps call the C kernels directly; steps with prefill chunks run attention through
         :func:`cbgen.model.attention.paged_attention_forward`, as the transformers path does.
         """
-        if not cpu_kernels.available() or not self._still_ok():
+        plan = self._current_plan()
+        if plan is None or any(cache.dtype != plan.dtype for cache, _ in meta.kv_caches):
             return None
-        plan = self._plan
-        if plan is None:
-            plan = self._plan = _Plan.of(self.model)
-        if any(cache.dtype != plan.dtype for cache, _ in meta.kv_caches):
-            return None
-        if self._linear is None:
-            self._linear = PackedLinears(plan.dtype, enabled=self._prepack)
         linear = self._linear
         hidden = plan.embed(input_ids)
         cos, sin = self._rotary(plan.rotary, hidden, positions)
@@ -493,7 +550,7 @@ class FusedDecoder:
         add_rmsnorm(hidden, None, *plan.layers[0].in_norm, x)
         for layer, next_norm in zip(plan.layers, plan.next_norms):
             d = layer.head_dim
-            q, k, v = linear.group(x, layer.qkv)
+            q, k, v = linear.group(x, layer.qkv, False)
             if layer.qk_norms is not None:
                 q, k = q.contiguous(), k.contiguous()  # the norm runs over [T * heads, d] rows
                 qh, kh = q.view(-1, d), k.view(-1, d)
@@ -515,11 +572,11 @@ class FusedDecoder:
                     layer.window,
                     0.0,
                 )
-            delta = linear(out.view(tokens, -1), layer.o_proj)
+            delta = linear(out.view(tokens, -1), layer.o_proj, False)
             add_rmsnorm(hidden, delta, *layer.post_norm, x)
-            gate, up = linear.group(x, layer.gate_up)
+            gate, up = linear.group(x, layer.gate_up, False)
             act = cpu_kernels.silu_mul(gate, up, gate if gate.is_contiguous() else x.new_empty(up.shape))
-            delta = linear(act, layer.down_proj)
+            delta = linear(act, layer.down_proj, False)
             add_rmsnorm(hidden, delta, *next_norm, x)
         picked = x.index_select(0, rows)
-        return linear(picked, plan.lm_head)
+        return linear(picked, plan.lm_head, False)

@@ -193,8 +193,46 @@ static inline __attribute__((always_inline)) void rope_impl(void *q, void *k, co
     }
 }
 
+#if defined(__AVX512F__)
+/* One head's rotation, 16 lanes at a time (half % 16 == 0).  Products and the sum are separate
+ * roundings, as the scalar loop and torch's mul/add compute them (no fused multiply-add). */
+static inline __attribute__((always_inline)) void rope_head16(void *base, int64_t off, const void *cos,
+                                                              const void *sin, int64_t co, int half,
+                                                              const int dtype) {
+    for (int i = 0; i < half; i += 16) {
+        const __m512 a = ld16(base, off + i, dtype), b = ld16(base, off + i + half, dtype);
+        const __m512 c1 = ld16(cos, co + i, dtype), s1 = ld16(sin, co + i, dtype);
+        const __m512 c2 = ld16(cos, co + i + half, dtype), s2 = ld16(sin, co + i + half, dtype);
+        st16(base, off + i, _mm512_sub_ps(_mm512_mul_ps(a, c1), _mm512_mul_ps(b, s1)), dtype);
+        st16(base, off + i + half, _mm512_add_ps(_mm512_mul_ps(b, c2), _mm512_mul_ps(a, s2)), dtype);
+    }
+}
+
+/* Why: the portable loop does not vectorise (its head loop picks q or k per head) and cost ~4.5 us a
+ * token at 12 heads of 64, ~9 ms of a 64-row decode step over 30 layers; this runs ~20x faster. */
+static inline __attribute__((always_inline)) void rope16(void *q, void *k, const void *cos, const void *sin,
+                                                         int64_t T, int H, int Hk, int D, int64_t q_stride,
+                                                         int64_t k_stride, const int dtype) {
+    const int half = D / 2;
+#pragma omp parallel for schedule(static) if (BIG(T * (H + Hk) * (int64_t)D))
+    for (int64_t t = 0; t < T; ++t) {
+        for (int h = 0; h < H; ++h) rope_head16(q, t * q_stride + (int64_t)h * D, cos, sin, t * D, half, dtype);
+        for (int h = 0; h < Hk; ++h) rope_head16(k, t * k_stride + (int64_t)h * D, cos, sin, t * D, half, dtype);
+    }
+}
+#endif
+
 int cbgen_rope(void *q, void *k, const void *cos, const void *sin, int64_t T, int H, int Hk, int D,
                int64_t q_stride, int64_t k_stride, int dtype) {
+#if defined(__AVX512F__)
+    if (CB_FAST(D / 2)) {
+        if (dtype == 0)
+            rope16(q, k, cos, sin, T, H, Hk, D, q_stride, k_stride, 0);
+        else
+            rope16(q, k, cos, sin, T, H, Hk, D, q_stride, k_stride, 1);
+        return 0;
+    }
+#endif
     if (dtype == 0)
         rope_impl(q, k, cos, sin, T, H, Hk, D, q_stride, k_stride, 0);
     else
