@@ -2,7 +2,8 @@
 
 ``csrc/cpu_paged.c`` (paged decode attention, KV store), ``csrc/cpu_fused.c`` (residual add +
 RMSNorm, rotary embedding, SiLU-and-multiply for :mod:`cbgen.model.fused_decode`) and
-``csrc/cpu_gemm.c`` (bf16 projections on AMX, where the CPU has it) are compiled with the system C compiler (``$CC``, else ``cc``) into
+``csrc/cpu_gemm.c`` (bf16 projections on AMX, where the CPU has it) and ``csrc/cpu_decoder.c`` (a
+whole bf16 decode step built from those) are compiled with the system C compiler (``$CC``, else ``cc``) into
 ``~/.cache/cbgen/kernels`` (``$CBGEN_KERNEL_DIR`` overrides), keyed by a hash of the source, the
 flags and this CPU's feature flags, because ``-march=native`` code must not run on another CPU.
 No compiler, or a failed build, leaves :func:`available` false and the torch reference in use.
@@ -33,7 +34,7 @@ from cbgen.utils import advise_huge_pages
 log = logging.getLogger("cbgen")
 
 _CSRC = Path(__file__).parent / "csrc"
-_SOURCES = [_CSRC / name for name in ("cpu_paged.c", "cpu_fused.c", "cpu_gemm.c")]
+_SOURCES = [_CSRC / name for name in ("cpu_paged.c", "cpu_fused.c", "cpu_gemm.c", "cpu_decoder.c")]
 _HEADERS = [_CSRC / "cbgen_numerics.h"]
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=c11"]
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
@@ -111,6 +112,8 @@ def _build() -> ctypes.CDLL:
     lib.cbgen_greedy_rows.argtypes = [ptr, i64, i64, i64, ptr, ptr, ptr, i32]
     lib.cbgen_amx_linear.argtypes = [ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64]
     lib.cbgen_amx_init.argtypes = []
+    lib.cbgen_decoder_step.argtypes = [ptr, ptr, i32, ptr, f32, *[ptr] * 10, i64, ptr, ptr, i64, i64]
+    lib.cbgen_decoder_step.argtypes += [i32, i32, i32, i64, i32]
     for fn in (
         lib.cbgen_add_rmsnorm,
         lib.cbgen_rope,
@@ -118,6 +121,7 @@ def _build() -> ctypes.CDLL:
         lib.cbgen_greedy_rows,
         lib.cbgen_amx_linear,
         lib.cbgen_amx_init,
+        lib.cbgen_decoder_step,
     ):
         fn.restype = i32
     return lib
@@ -426,3 +430,68 @@ def amx_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None)
             f"cbgen_amx_linear failed with code {rc} for x {tuple(x.shape)}, weight [{n}, {k}]"
         )
     return out
+
+
+# Layout of the layer records of :func:`decoder_step` (the enums of ``csrc/cpu_decoder.c``).
+DECODER_WORDS = 16  # qkv w/b, o w/b, gate_up w/b, down w/b, post norm, next norm, k/v cache, window
+DECODER_FLOATS = 4  # post-attention norm eps, next norm eps, attention scale
+
+
+def decoder_step(
+    words: torch.Tensor,
+    floats: torch.Tensor,
+    first_norm: tuple[torch.Tensor, float],
+    hidden: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    slots: torch.Tensor,
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    intermediate: int,
+    block_size: int,
+) -> torch.Tensor:
+    """Runs every decoder layer of a bf16 decode step in C (``csrc/cpu_decoder.c``) over the
+    residual stream ``hidden [T, E]`` (updated in place) and returns the final norm's output
+    ``[T, E]``.  ``words [L, DECODER_WORDS]`` / ``floats [L, DECODER_FLOATS]`` describe the layers."""
+    tokens, width = hidden.shape
+    qd, kd = heads * head_dim, kv_heads * head_dim
+    x = torch.empty_like(hidden)
+    qkv = hidden.new_empty((tokens, qd + 2 * kd))
+    attn = hidden.new_empty((tokens, qd))
+    gate_up = hidden.new_empty((tokens, 2 * intermediate))
+    act = hidden.new_empty((tokens, intermediate))
+    delta = torch.empty_like(hidden)
+    rc = _lib.cbgen_decoder_step(
+        words.data_ptr(),
+        floats.data_ptr(),
+        words.shape[0],
+        first_norm[0].data_ptr(),
+        first_norm[1],
+        hidden.data_ptr(),
+        x.data_ptr(),
+        qkv.data_ptr(),
+        attn.data_ptr(),
+        gate_up.data_ptr(),
+        act.data_ptr(),
+        delta.data_ptr(),
+        cos.data_ptr(),
+        sin.data_ptr(),
+        table.data_ptr(),
+        table.stride(0),
+        seq_lens.data_ptr(),
+        slots.data_ptr(),
+        tokens,
+        width,
+        heads,
+        kv_heads,
+        head_dim,
+        intermediate,
+        block_size,
+    )
+    if rc:
+        layer, stage = divmod(rc - 1, 16)
+        raise RuntimeError(f"cbgen_decoder_step failed in layer {layer}, stage {stage}")
+    return x

@@ -254,6 +254,7 @@ class PackedLinears:
     def __init__(self, dtype: torch.dtype, enabled: bool = True) -> None:
         self._ops = _pack_ops(dtype) if enabled else None
         self._cache: dict[tuple[int, ...], tuple] = {}
+        self.generation = 0  # changes whenever an entry is made or dropped
 
     @property
     def enabled(self) -> bool:
@@ -263,6 +264,7 @@ class PackedLinears:
     def clear(self) -> None:
         """Drops every packed copy (they are rebuilt on the next use)."""
         self._cache.clear()
+        self.generation += 1
 
     def __call__(self, x: torch.Tensor, module: nn.Linear, checked: bool = True) -> torch.Tensor:
         """``F.linear(x, module.weight, module.bias)`` (``checked``: see :meth:`group`)."""
@@ -306,6 +308,7 @@ class PackedLinears:
                 self._cache.clear()
                 return None
             self._cache[key] = entry
+            self.generation += 1
         return entry
 
     def _pack(self, modules: tuple[nn.Linear, ...]) -> tuple:
@@ -427,6 +430,7 @@ class FusedDecoder:
         self._prepack = prepack
         self._linear: PackedLinears | None = None
         self._versions: list[int] | None = None  # parameter versions the packed copies were made at
+        self._c_table: tuple | None = None  # (key, layer records or None, what the key's ids name)
 
     def weights_changed(self) -> None:
         """Drops packed weight copies (call when weights changed in a way no version counter shows)."""
@@ -525,6 +529,56 @@ class FusedDecoder:
                 self._linear.entry(modules)
         self._linear.entry((plan.lm_head,))
 
+    def _c_layers(self, plan: _Plan, linear: PackedLinears, meta: AttentionMetadata) -> tuple | None:
+        """The layer records of :func:`cbgen.model.cpu_kernels.decoder_step` for this plan, packed
+        weights and KV cache, or None when the model does not fit it (see :meth:`_build_c_layers`).
+        Rebuilt only when one of those changes."""
+        key = (id(plan), id(linear), linear.generation, meta.kv_caches[0][0].data_ptr(), len(meta.kv_caches))
+        cached = self._c_table
+        if cached is None or cached[0] != key:
+            # The plan and PackedLinears are held so that their ids in the key stay theirs.
+            cached = self._c_table = (key, self._build_c_layers(plan, linear, meta), plan, linear)
+        return cached[1]
+
+    @staticmethod
+    def _build_c_layers(plan: _Plan, linear: PackedLinears, meta: AttentionMetadata) -> tuple | None:
+        """(words, floats, (heads, kv heads, head_dim, intermediate, block size)) when every layer's
+        projections are AMX-packed, bf16, with uniform shapes and no q/k norms; else None."""
+        if plan.dtype != torch.bfloat16 or not cpu_kernels.amx_available():
+            return None
+        first = plan.layers[0]
+        d = first.head_dim
+        heads, kv_heads = first.qkv[0].weight.shape[0] // d, first.qkv[1].weight.shape[0] // d
+        inter = first.gate_up[0].weight.shape[0]
+        block_size = meta.kv_caches[0][0].shape[1]
+        words = torch.zeros(len(plan.layers), cpu_kernels.DECODER_WORDS, dtype=torch.int64)
+        floats = torch.zeros(len(plan.layers), cpu_kernels.DECODER_FLOATS, dtype=torch.float32)
+        for i, (layer, next_norm) in enumerate(zip(plan.layers, plan.next_norms)):
+            k_cache, v_cache = meta.kv_caches[layer.layer_idx]
+            q, k, v = layer.qkv
+            if (
+                layer.qk_norms is not None
+                or layer.head_dim != d
+                or (q.weight.shape[0], k.weight.shape[0], v.weight.shape[0])
+                != (heads * d, kv_heads * d, kv_heads * d)
+                or layer.gate_up[0].weight.shape[0] != inter
+                or tuple(k_cache.shape[1:]) != (block_size, kv_heads, d)
+                or k_cache.dtype != torch.bfloat16
+                or any(w.dtype != torch.bfloat16 for w in (layer.post_norm[0], next_norm[0]))
+            ):
+                return None
+            row = []
+            for modules in (layer.qkv, (layer.o_proj,), layer.gate_up, (layer.down_proj,)):
+                entry = linear.entry(modules, checked=False)
+                if entry is None or entry[1] is None or entry[1].dim() != 6:
+                    return None
+                row += [entry[1].data_ptr(), 0 if entry[3] is None else entry[3].data_ptr()]
+            row += [layer.post_norm[0].data_ptr(), next_norm[0].data_ptr()]
+            row += [k_cache.data_ptr(), v_cache.data_ptr(), layer.window]
+            words[i, : len(row)] = torch.tensor(row, dtype=torch.int64)
+            floats[i, :3] = torch.tensor([layer.post_norm[1], next_norm[1], layer.scaling])
+        return words, floats, (heads, kv_heads, d, inter, block_size)
+
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor, meta: AttentionMetadata
     ) -> torch.Tensor | None:
@@ -545,6 +599,13 @@ class FusedDecoder:
             table = meta.decode_block_table.to(torch.int32).contiguous()
             seq_lens = meta.decode_seq_lens.to(torch.int32).contiguous()
             slots = meta.slot_mapping.to(torch.int64).contiguous()
+            c_layers = self._c_layers(plan, linear, meta) if tokens <= _AMX_MAX_ROWS else None
+            if c_layers is not None:
+                words, floats, dims = c_layers
+                x = cpu_kernels.decoder_step(
+                    words, floats, plan.layers[0].in_norm, hidden, cos, sin, table, seq_lens, slots, *dims
+                )
+                return linear(x.index_select(0, rows), plan.lm_head, False)
         x = torch.empty_like(hidden)
         add_rmsnorm = cpu_kernels.add_rmsnorm
         add_rmsnorm(hidden, None, *plan.layers[0].in_norm, x)

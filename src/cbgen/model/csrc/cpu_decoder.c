@@ -1,0 +1,66 @@
+/* A whole bf16 decode step of a Llama-family model in one call: every layer's projections (AMX,
+ * csrc/cpu_gemm.c), rotary embedding, KV store, paged decode attention, residual adds and norms.
+ *
+ * Why: the same kernels called one by one from Python cost ~10 calls a layer, each with tens of
+ * microseconds of interpreter and binding work that runs with cold caches (a step streams ~0.5 GB
+ * of weights and KV through them).  That was ~15% of a 64-row bf16 decode step on SmolLM2.  The
+ * math and rounding are exactly those of the Python loop in fused_decode.py, which tests hold to.
+ *
+ * Layer records (fused_decode.py builds them): LAYER_WORDS int64 words and LAYER_FLOATS floats each,
+ * indexed by the enums below.  Pointers to packed weights are amx_pack layouts; biases may be 0.
+ */
+#include <stdint.h>
+
+int cbgen_amx_linear(const uint16_t *x, int64_t xs, const uint16_t *wp, const uint16_t *bias, uint16_t *out,
+                     int64_t os, int64_t M, int64_t N, int64_t K);
+int cbgen_add_rmsnorm(void *x, const void *delta, const void *weight, void *out, int64_t rows, int64_t n,
+                      int64_t x_stride, int64_t delta_stride, int64_t out_stride, float eps, int dtype);
+int cbgen_rope(void *q, void *k, const void *cos, const void *sin, int64_t T, int H, int Hk, int D,
+               int64_t q_stride, int64_t k_stride, int dtype);
+int cbgen_silu_mul(const void *gate, const void *up, void *out, int64_t rows, int64_t n, int64_t gate_stride,
+                   int64_t up_stride, int64_t out_stride, int dtype);
+int cbgen_store_kv(const void *key, int64_t key_stride, const void *value, int64_t value_stride, void *k_cache,
+                   void *v_cache, const int64_t *slot_mapping, int64_t T, int64_t row_elems, int elem_size);
+int cbgen_paged_decode(const void *q, int64_t q_stride, const void *kc, const void *vc, const int32_t *block_table,
+                       int64_t table_stride, const int32_t *seq_lens, void *out, int64_t B, int H, int Hkv, int D,
+                       int bs, float scale, int64_t window, float softcap, int dtype, int impl);
+
+enum { W_QKV, B_QKV, W_O, B_O, W_GATE_UP, B_GATE_UP, W_DOWN, B_DOWN, POST_NORM, NEXT_NORM, K_CACHE, V_CACHE, WINDOW, LAYER_WORDS = 16 };
+enum { POST_EPS, NEXT_EPS, SCALE, LAYER_FLOATS = 4 };
+
+#define P16(word) ((uint16_t *)(intptr_t)(word))
+#define TRY(stage, call)                                                                                                \
+    do {                                                                                                               \
+        if ((call) != 0) return 1 + (int)(l * 16 + (stage));                                                           \
+    } while (0)
+
+/* hidden [T, E] (the residual stream, updated in place) -> x [T, E], the final norm's output.
+ * Scratch: qkv [T, (H + 2 Hkv) D], attn [T, H D], gate_up [T, 2 I], act [T, I], delta [T, E].
+ * Returns 0, or 1 + 16 * layer + stage of the first kernel that failed. */
+int cbgen_decoder_step(const int64_t *layers, const float *floats, int n_layers, const uint16_t *first_norm,
+                       float first_eps, uint16_t *hidden, uint16_t *x, uint16_t *qkv, uint16_t *attn, uint16_t *gate_up,
+                       uint16_t *act, uint16_t *delta, const uint16_t *cos, const uint16_t *sin, const int32_t *table,
+                       int64_t table_stride, const int32_t *seq_lens, const int64_t *slots, int64_t T, int64_t E,
+                       int H, int Hkv, int D, int64_t I, int block_size) {
+    const int64_t qd = (int64_t)H * D, kd = (int64_t)Hkv * D, nqkv = qd + 2 * kd;
+    int l = 0;
+    TRY(0, cbgen_add_rmsnorm(hidden, 0, first_norm, x, T, E, E, 0, E, first_eps, 1));
+    for (l = 0; l < n_layers; ++l) {
+        const int64_t *w = layers + (int64_t)l * LAYER_WORDS;
+        const float *f = floats + (int64_t)l * LAYER_FLOATS;
+        TRY(1, cbgen_amx_linear(x, E, P16(w[W_QKV]), P16(w[B_QKV]), qkv, nqkv, T, nqkv, E));
+        TRY(2, cbgen_rope(qkv, qkv + qd, cos, sin, T, H, Hkv, D, nqkv, nqkv, 1));
+        TRY(3, cbgen_store_kv(qkv + qd, nqkv, qkv + qd + kd, nqkv, (void *)(intptr_t)w[K_CACHE],
+                              (void *)(intptr_t)w[V_CACHE], slots, T, kd, 2));
+        TRY(4, cbgen_paged_decode(qkv, nqkv, (const void *)(intptr_t)w[K_CACHE], (const void *)(intptr_t)w[V_CACHE],
+                                  table, table_stride, seq_lens, attn, T, H, Hkv, D, block_size, f[SCALE], w[WINDOW],
+                                  0.0f, 1, 0));
+        TRY(5, cbgen_amx_linear(attn, qd, P16(w[W_O]), P16(w[B_O]), delta, E, T, E, qd));
+        TRY(6, cbgen_add_rmsnorm(hidden, delta, P16(w[POST_NORM]), x, T, E, E, E, E, f[POST_EPS], 1));
+        TRY(7, cbgen_amx_linear(x, E, P16(w[W_GATE_UP]), P16(w[B_GATE_UP]), gate_up, 2 * I, T, 2 * I, E));
+        TRY(8, cbgen_silu_mul(gate_up, gate_up + I, act, T, I, 2 * I, 2 * I, I, 1));
+        TRY(9, cbgen_amx_linear(act, I, P16(w[W_DOWN]), P16(w[B_DOWN]), delta, E, T, E, I));
+        TRY(10, cbgen_add_rmsnorm(hidden, delta, P16(w[NEXT_NORM]), x, T, E, E, E, E, f[NEXT_EPS], 1));
+    }
+    return 0;
+}
