@@ -293,6 +293,19 @@ def test_packed_group_equals_separate_linears(dtype, rows, width) -> None:
     check()
 
 
+def test_rows_past_the_amx_limit_run_plain_linears(monkeypatch) -> None:
+    """A bf16 input with more rows than the AMX kernel takes gets torch's own linears, bit for bit."""
+    monkeypatch.setattr(fused_decode, "_AMX_MAX_ROWS", 4)
+    gen = torch.Generator().manual_seed(1)
+    layers = (nn.Linear(256, 256).to(torch.bfloat16), nn.Linear(256, 128).to(torch.bfloat16))
+    x = torch.randn(5, 256, generator=gen).to(torch.bfloat16)
+    packed = fused_decode.PackedLinears(torch.bfloat16)
+    if not packed.enabled:
+        pytest.skip("this torch build cannot pack bf16 weights")
+    for out, layer in zip(packed.group(x, layers), layers):
+        assert torch.equal(out, nn.functional.linear(x, layer.weight, layer.bias))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_packed_linears_follow_weight_changes(dtype) -> None:
     """Packed projections give F.linear's result, and a changed weight is repacked: in place (version
