@@ -25,6 +25,8 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
+#include "cbgen_numerics.h"
+
 #define ARCH_REQ_XCOMP_PERM 0x1023
 #define XFEATURE_XTILEDATA 18
 
@@ -40,19 +42,6 @@ typedef struct {
     uint16_t colsb[16];
     uint8_t rows[16];
 } tile_config;
-
-static inline __m512i bf16_round_bits(__m512 v) {
-    const __m512i bits = _mm512_castps_si512(v);
-    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-    const __m512i r = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))), 16);
-    const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
-    return _mm512_mask_or_epi32(r, nan, _mm512_srli_epi32(bits, 16), _mm512_set1_epi32(0x40));
-}
-
-static inline __m512 load_bf16(const uint16_t *p) {
-    const __m256i h = _mm256_loadu_si256((const __m256i *)p);
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
 
 /* Rows of activations kept hot while a thread sweeps its columns (~300 KiB at K = 576). */
 #define ROW_CHUNK 256
@@ -127,8 +116,8 @@ int cbgen_amx_linear(const uint16_t *x, int64_t xs, const uint16_t *wp, const ui
 #pragma omp for schedule(static) nowait
             for (int64_t p = 0; p < pairs; ++p) {
                 const uint16_t *bp = wp + p * kbs * 1024;
-                const __m512 b0 = bias ? load_bf16(bias + p * 32) : _mm512_setzero_ps();
-                const __m512 b1 = bias ? load_bf16(bias + p * 32 + 16) : _mm512_setzero_ps();
+                const __m512 b0 = bias ? ld16(bias, p * 32, 1) : _mm512_setzero_ps();
+                const __m512 b1 = bias ? ld16(bias, p * 32 + 16, 1) : _mm512_setzero_ps();
                 for (int64_t m = mc; m < mend; m += 32) {
                     tile_block(a + m * as, as, bp, kbs, m + 16 < mend, m == mc, acc);
                     const int64_t rows = (m + 32 < M ? m + 32 : M) - m;
@@ -136,8 +125,8 @@ int cbgen_amx_linear(const uint16_t *x, int64_t xs, const uint16_t *wp, const ui
                         uint16_t *o = out + (m + r) * os + p * 32;
                         const __m512 v0 = _mm512_add_ps(_mm512_load_ps(acc + r * 32), b0);
                         const __m512 v1 = _mm512_add_ps(_mm512_load_ps(acc + r * 32 + 16), b1);
-                        _mm256_storeu_si256((__m256i *)o, _mm512_cvtepi32_epi16(bf16_round_bits(v0)));
-                        _mm256_storeu_si256((__m256i *)(o + 16), _mm512_cvtepi32_epi16(bf16_round_bits(v1)));
+                        _mm256_storeu_si256((__m256i *)o, _mm512_cvtepi32_epi16(bf16_bits16(v0)));
+                        _mm256_storeu_si256((__m256i *)(o + 16), _mm512_cvtepi32_epi16(bf16_bits16(v1)));
                     }
                 }
             }
