@@ -1,8 +1,8 @@
 """Overlap (async) scheduling: step N+1 is launched before step N's tokens are read back.
 
-On CPU nothing actually overlaps, but the bookkeeping is the same as on CUDA: placeholders in
-``token_ids``, inputs patched from the previous step's device tokens, stop checks one step late,
-and tokens sampled past a stop dropped.  The oracle is the synchronous engine (and ``generate()``).
+On CPU nothing actually overlaps, but the bookkeeping is the same as on CUDA: pending tokens that
+are not in ``token_ids`` yet, inputs patched from the previous step's device tokens, stop checks
+one step late, and tokens sampled past a stop dropped.  The oracle is the synchronous engine (and ``generate()``).
 """
 
 from __future__ import annotations
@@ -11,7 +11,6 @@ import pytest
 import torch
 
 from cbgen import LLM, SamplingParams
-from cbgen.request import PENDING_TOKEN
 from oracle import compare, hf_greedy
 from tiny_models import make_model, make_prompts
 
@@ -79,7 +78,7 @@ def test_mixed_workload_identical_to_synchronous(llama):
             assert cb.token_logprobs == pytest.approx(ca.token_logprobs, abs=1e-4)
             assert cb.raw_logprobs == pytest.approx(ca.raw_logprobs, abs=1e-4)
             assert [sorted(d) for d in cb.top_logprobs or []] == [sorted(d) for d in ca.top_logprobs or []]
-            assert PENDING_TOKEN not in cb.token_ids
+            assert all(t >= 0 for t in cb.token_ids)
             stopped += cb.finish_reason == "stop"
     assert stopped >= 5  # the stop-token kinds did stop early, so the lag was exercised
     # Tokens sampled after a stop were computed but never counted as generated.
@@ -97,11 +96,11 @@ def test_steps_really_defer_and_stream_has_no_placeholders(llama):
     while engine.has_unfinished():
         for out in engine.step():
             delta = out.outputs[0].token_ids
-            assert PENDING_TOKEN not in delta
+            assert all(t >= 0 for t in delta)
             seen[out.request_id].extend(delta)
             if out.finished:
                 finished[out.request_id] = seen[out.request_id]
-        deferred_steps += engine._deferred is not None
+        deferred_steps += engine.in_flight is not None
     assert deferred_steps > 0
     assert set(finished) == set(ids)
     for tokens in finished.values():
@@ -121,7 +120,9 @@ def test_abort_while_a_token_is_in_flight(llama):
     assert victim.pending  # its newest token is still on the device
     out = engine.abort(ids[1])
     assert out.finished and out.outputs[0].finish_reason == "abort"
-    assert PENDING_TOKEN not in out.outputs[0].token_ids
+    assert len(out.outputs[0].token_ids) == victim.num_output_tokens and all(
+        t >= 0 for t in out.outputs[0].token_ids
+    )
     rest = {}
     while engine.has_unfinished():
         rest.update({o.request_id: o for o in engine.step() if o.finished})
@@ -150,7 +151,7 @@ def test_weight_update_between_rounds_with_tokens_in_flight():
     ids = [engine.add_request(p, GREEDY) for p in prompts]
     for _ in range(3):
         engine.step()
-    assert engine._deferred is not None
+    assert engine.in_flight is not None
     with torch.no_grad():
         model.model.layers[0].mlp.down_proj.weight.mul_(1.5)
     outs = {}
@@ -169,13 +170,20 @@ def test_next_step_is_built_before_this_one_samples(llama):
     engine = llm.engine
     for p in make_prompts(4, seed=13):
         engine.add_request(p, GREEDY)
-    sampler = engine.sampler
-    seen = []
+    sampler, build = engine.sampler, engine.input_builder.build
+    seen, counts = [], {"build": 0, "sample": 0}
+
+    def count_builds(*args, **kwargs):
+        counts["build"] += 1
+        return build(*args, **kwargs)
 
     def spy(logits, requests):
-        seen.append(engine._prepared is not None and engine._prepared[1] is not None)
+        # Step N's own build plus step N+1's, before N samples.
+        seen.append(counts["build"] >= counts["sample"] + 2)
+        counts["sample"] += 1
         return sampler(logits, requests)
 
+    engine.input_builder.build = count_builds
     engine.sampler = spy
     outs = []
     while engine.has_unfinished():

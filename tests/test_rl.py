@@ -137,14 +137,14 @@ def test_weight_update_invalidates_prefix_cache(kind):
     again = llm.generate([prompt], GREEDY, use_tqdm=False)[0]
     assert again.num_cached_tokens >= 32, "setup: the second run should have hit the prefix cache"
     assert again.outputs[0].token_ids == old.outputs[0].token_ids
-    hits, resets = llm.stats.prefix_cache_hits, llm.engine.block_manager.stats.resets
+    hits, resets = llm.stats.prefix_cache_hits, llm.stats.prefix_cache_resets
 
     _update(kind, model, prompt)
     model.eval()
     new = llm.generate([prompt], GREEDY, use_tqdm=False)[0]
 
     assert llm.weight_version == 1 and new.weight_version == 1 and old.weight_version == 0
-    assert llm.engine.block_manager.stats.resets == resets + 1
+    assert llm.stats.prefix_cache_resets == resets + 1
     assert new.num_cached_tokens == 0 and llm.stats.prefix_cache_hits == hits
     ref = hf_greedy(model, prompt, GREEDY.max_tokens)
     assert ref != old.outputs[0].token_ids, "setup: the update should change the greedy output"
@@ -269,11 +269,11 @@ def test_peft_lora_model_generates_like_peft_generate():
     assert adapted != base_refs, "setup: the adapter should change the output"
 
     llm.generate(prompts, GREEDY, use_tqdm=False)  # warm the prefix cache under the adapter
-    hits, resets = llm.stats.prefix_cache_hits, llm.engine.block_manager.stats.resets
+    hits, resets = llm.stats.prefix_cache_hits, llm.stats.prefix_cache_resets
     with peft_model.disable_adapter():
         disabled = llm.generate(prompts, GREEDY, use_tqdm=False)
         assert llm.weight_version == 1 and all(o.weight_version == 1 for o in disabled)
-    assert llm.engine.block_manager.stats.resets == resets + 1 and llm.stats.prefix_cache_hits == hits
+    assert llm.stats.prefix_cache_resets == resets + 1 and llm.stats.prefix_cache_hits == hits
     compare(pristine, prompts, _tokens(disabled), base_refs)
 
     # Leaving the context re-enables the adapter: another change, and the adapter's output again.

@@ -428,7 +428,6 @@ class AsyncEngine:
                 out = self.engine.abort(rid)
             except Exception as exc:
                 logger.exception("aborting %s failed", rid)
-                self.engine.groups.pop(rid, None)
                 out = _error_output(rid, self._by_rid.get(rid), f"abort failed: {exc!r}")
             if out is not None:
                 self._route(out, deliveries)
@@ -449,23 +448,15 @@ class AsyncEngine:
         """A step blew up: the engine's state for the batch is unknown, so every request in flight
         ends with an error rather than risk a hang or a silently wrong continuation."""
         self._step_errors += 1
-        logger.exception("engine step failed; failing %d request(s) in flight", len(self.engine.groups))
+        logger.exception("engine step failed; failing %d request(s) in flight", self.engine.num_unfinished)
         message = f"engine step failed: {type(exc).__name__}: {exc}"
-        for rid in list(self.engine.groups):
-            try:
-                out = self.engine.abort(rid)
-            except Exception:
-                logger.exception("could not abort %s after a failed step", rid)
-                out = None
-            self.engine.groups.pop(rid, None)
-            if out is None:
-                out = _error_output(rid, self._by_rid.get(rid), message)
-            else:
-                out.finished = True
-                out.error = message
-                for completion in out.outputs:
-                    if completion.finish_reason in (None, "abort"):
-                        completion.finish_reason = "error"
+        try:
+            outputs = self.engine.abort_all(message)
+        except Exception:
+            logger.exception("could not end the requests of a failed step cleanly")
+            outputs = [_error_output(rid, stream, message) for rid, stream in self._by_rid.items()]
+        for out in outputs:
+            out.error = message
             self._route(out, deliveries)
 
     @staticmethod

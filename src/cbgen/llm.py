@@ -169,7 +169,7 @@ class LLM:
         engine = self.engine
         bar = None
         if use_tqdm:
-            total = len(wanted) if wanted is not None else len(engine.groups)
+            total = len(wanted) if wanted is not None else engine.num_unfinished
             bar = tqdm(total=total, desc="cbgen", unit="req", dynamic_ncols=True)
         generated_at_start = engine.stats.generated_tokens
         try:
@@ -197,7 +197,7 @@ class LLM:
     # ------------------------------------------------------------------ RL helpers
     @property
     def stats(self):
-        """Cumulative engine counters (:class:`cbgen.engine.EngineStats`)."""
+        """Cumulative engine counters (:class:`cbgen.core.stats.EngineStats`)."""
         return self.engine.stats
 
     @property
@@ -236,4 +236,6 @@ class LLM:
             yield
         finally:
             self._paused = False
-            self.engine._check_weights()
+            for out in self.engine.check_weights():
+                if out.finished:
+                    self._finished[out.request_id] = out

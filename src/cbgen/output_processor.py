@@ -8,14 +8,10 @@ off the hot path.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from cbgen.detokenizer import IncrementalDetokenizer, StopStringMatcher
 from cbgen.outputs import CompletionOutput, RequestOutput
-from cbgen.request import Request
-
-if TYPE_CHECKING:
-    from cbgen.engine import RequestGroup
+from cbgen.request import Request, RequestGroup
 
 
 @dataclass

@@ -9,9 +9,6 @@ from typing import Any
 
 from cbgen.sampling_params import SamplingParams
 
-# Stands in ``token_ids`` for a token still on the device; never fed to a model or emitted.
-PENDING_TOKEN = -1
-
 
 class RequestStatus(enum.Enum):
     """Lifecycle of one sequence. Every sequence reaches exactly one FINISHED_* status."""
@@ -71,7 +68,10 @@ class Request:
     block_hashes: list[int] = field(default_factory=list)
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at first schedule
     num_preemptions: int = 0
-    followers: list[Request] = field(default_factory=list)  # n>1: samples 1..n-1, held by sample 0
+    # n>1: sample 0 (the leader) holds samples 1..n-1 until they fork from its prompt; each of those
+    # points back at it.  Not in repr: the two would recurse.
+    followers: list[Request] = field(default_factory=list, repr=False)
+    leader: Request | None = field(default=None, repr=False)
     finish_reason: str | None = None
     stop_reason: str | int | None = None
     error: str | None = None
@@ -86,8 +86,9 @@ class Request:
     # Output-layer state (detokeniser, stop strings), owned by the engine's output processor.
     output_state: Any = None
     first_token_time: float | None = None
-    # Overlap scheduling: the last entry of ``token_ids`` is a placeholder for a token that was
-    # sampled on the device but not read back yet (see Engine.step).
+    # Overlap scheduling: one more token was sampled on the device and is not read back yet.  It
+    # counts in ``num_tokens`` (the scheduler gives it its decode step; the runner patches the
+    # input in on the device) but is not in ``token_ids``, so nothing else ever sees a stand-in.
     pending: bool = False
 
     def __post_init__(self) -> None:
@@ -100,12 +101,12 @@ class Request:
 
     @property
     def num_tokens(self) -> int:
-        """Prompt plus generated tokens."""
-        return len(self.token_ids)
+        """Prompt plus generated tokens, counting one still on the device."""
+        return len(self.token_ids) + self.pending
 
     @property
     def num_output_tokens(self) -> int:
-        """Generated tokens so far."""
+        """Generated tokens read back so far (a token still on the device is not counted)."""
         return len(self.token_ids) - self.num_prompt_tokens
 
     @property
@@ -125,21 +126,35 @@ class Request:
         return self.params.max_tokens
 
     def append_token(self, token_id: int) -> None:
-        """Adds one sampled token (its K/V is computed in the next step), or resolves the placeholder."""
-        if self.pending:
-            self.token_ids[-1] = token_id
-            self.pending = False
-        else:
-            self.token_ids.append(token_id)
+        """Adds one sampled token (its K/V is computed in the next step), resolving the pending one."""
+        self.token_ids.append(token_id)
+        self.pending = False
 
-    def append_placeholder(self) -> None:
-        """Reserves the position of a token sampled on the device and not read back yet."""
-        assert not self.pending
-        self.token_ids.append(PENDING_TOKEN)
-        self.pending = True
+    def reset_outputs(self) -> None:
+        """Forgets every generated token and its logprobs (a restart from the prompt)."""
+        del self.token_ids[self.num_prompt_tokens :]
+        self.pending = False
+        self.num_computed_tokens = 0
+        self.token_logprobs.clear()
+        self.raw_logprobs.clear()
+        self.log_kept_mass.clear()
+        if self.top_logprobs is not None:
+            self.top_logprobs.clear()
+        if self.prompt_logprobs is not None:
+            self.prompt_logprobs = [None]
 
-    def drop_placeholder(self) -> None:
-        """Forgets an unresolved token (the request ended before it was read back)."""
-        if self.pending:
-            self.token_ids.pop()
-            self.pending = False
+
+@dataclass(eq=False)
+class RequestGroup:
+    """One user request: its ``n`` sequences (sample 0 first) and how its outputs are reported."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    samples: list[Request]
+    stream: bool = False
+
+    def all_finished(self) -> bool:
+        """True once every sample reached a terminal status."""
+        return all(s.is_finished for s in self.samples)

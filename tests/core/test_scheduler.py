@@ -1,4 +1,10 @@
-"""Scheduler: budget, chunking, preemption and the exactly-once lifecycle, driven without a model."""
+"""Scheduler and step update rules: budget, chunking, preemption, forks and the exactly-once
+lifecycle, driven without a model through the same :mod:`cbgen.core.update` functions the engine runs.
+
+The only stand-in is the model: a sampled token is a deterministic function of the sequence so far
+(and of the sample index, so n>1 samples differ), so recomputed (preempted, requeued) sequences must
+reproduce the same outputs.
+"""
 
 from __future__ import annotations
 
@@ -7,107 +13,181 @@ import random
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from cbgen.core import update
 from cbgen.core.block_manager import BlockManager
 from cbgen.core.scheduler import Scheduler
+from cbgen.core.update import SampledTokens
 from cbgen.request import Request, RequestStatus
 from cbgen.sampling_params import SamplingParams
 
+EOS = 96
+MAX_MODEL_LEN = 10_000
 
-class FakeEngine:
-    """The engine's update rules without a model: a sampled token is a deterministic function of the
-    sequence so far, so recomputed (preempted) requests must reproduce the same outputs."""
 
-    def __init__(self, num_blocks: int, block_size: int, budget: int, max_seqs: int) -> None:
-        self.bm = BlockManager(num_blocks, block_size)
+def fake_token(tokens: list[int], sample_index: int) -> int:
+    return (sum(tokens) + 31 * sample_index) % 97
+
+
+def expected_output(prompt: list[int], sample_index: int, max_tokens: int, eos: bool) -> list[int]:
+    tokens = list(prompt)
+    for _ in range(max_tokens):
+        tokens.append(fake_token(tokens, sample_index))
+        if eos and tokens[-1] == EOS:
+            break
+    return tokens[len(prompt) :]
+
+
+class Driver:
+    """Adds requests as the engine does and runs steps: schedule -> advance -> sample -> apply."""
+
+    def __init__(self, num_blocks: int, block_size: int, budget: int, max_seqs: int, caching: bool = True):
+        self.bm = BlockManager(num_blocks, block_size, caching)
         self.sched = Scheduler(self.bm, budget, max_seqs)
         self.ends: dict[str, int] = {}
         self.all: list[Request] = []
 
-    def add(self, rid: str, prompt: list[int], max_tokens: int) -> Request:
-        r = Request(request_id=rid, prompt_token_ids=prompt, params=SamplingParams(max_tokens=max_tokens))
-        self.all.append(r)
-        self.sched.add(r)
-        return r
+    def add(
+        self, rid: str, prompt: list[int], max_tokens: int, n: int = 1, eos: bool = False
+    ) -> list[Request]:
+        params = SamplingParams(max_tokens=max_tokens, n=n)
+        samples = [
+            Request(
+                request_id=f"{rid}#{i}",
+                prompt_token_ids=prompt,
+                params=params,
+                eos_token_ids=frozenset({EOS}) if eos else frozenset(),
+                group_id=rid,
+                sample_index=i,
+            )
+            for i in range(n)
+        ]
+        leader = samples[0]
+        leader.followers = samples[1:]
+        for follower in leader.followers:
+            follower.leader = leader
+            follower.status = RequestStatus.WAITING_FOR_FORK
+        self.all += samples
+        self.sched.add(leader)
+        return samples
 
-    def end(self, r: Request, status: RequestStatus) -> None:
-        assert not r.is_finished
-        r.status = status
-        self.ends[r.request_id] = self.ends.get(r.request_id, 0) + 1
-        self.sched.remove(r)
+    def record(self, ended: list[Request]) -> None:
+        for r in ended:
+            self.ends[r.request_id] = self.ends.get(r.request_id, 0) + 1
 
-    def step(self):
+    def abort(self, r: Request) -> None:
+        self.record(update.finish(self.sched, r, RequestStatus.FINISHED_ABORTED))
+
+    def step(self, fail: set[int] = frozenset()):
         out = self.sched.schedule()
         assert out.num_tokens <= self.sched.max_num_batched_tokens
         assert len(out.scheduled) <= self.sched.max_num_seqs
         assert len({id(r) for r, _ in out.scheduled}) == len(out.scheduled)
         for r in out.failed:
-            self.end(r, RequestStatus.FINISHED_ERROR)
+            self.record(update.finish(self.sched, r, RequestStatus.FINISHED_ERROR, r.error))
+        requests = []
         for r, n in out.scheduled:
             assert n >= 1 and r.num_computed_tokens + n <= r.num_tokens
             assert len(r.block_ids) * self.bm.block_size >= r.num_computed_tokens + n
-            r.num_computed_tokens += n
-            self.bm.cache_computed_blocks(r)
-            if r.num_computed_tokens == r.num_tokens:
-                r.append_token(sum(r.token_ids) % 97)
-                if r.num_output_tokens >= r.params.max_tokens:
-                    self.end(r, RequestStatus.FINISHED_LENGTH)
-        return out
+            requests += update.sampling_sequences(r, n)
+        crossed = update.advance(out.scheduled, self.bm.block_size)
+        tokens = [fake_token(r.token_ids, r.sample_index) for r in requests]
+        zeros = [0.0] * len(requests)
+        sampled = SampledTokens(
+            tokens, zeros, zeros, zeros, failed={i: "boom" for i in fail if i < len(requests)}
+        )
+        result = update.apply_sampled(self.sched, requests, sampled, crossed, max_model_len=MAX_MODEL_LEN)
+        self.record(result.ended)
+        assert all(r.is_finished for r in result.ended)
+        self.sched.remove_finished()
+        return out, result
 
     def check(self) -> None:
-        live = [r for r in self.all if not r.is_finished]
+        live = [r for r in self.all if not r.is_finished and r.status is not RequestStatus.WAITING_FOR_FORK]
         self.bm.check_invariants([r.block_ids for r in live])
+        assert sum(1 + len(r.followers) for r in self.sched.running) <= self.sched.max_num_seqs
 
-
-def expected_output(prompt: list[int], max_tokens: int) -> list[int]:
-    tokens = list(prompt)
-    for _ in range(max_tokens):
-        tokens.append(sum(tokens) % 97)
-    return tokens[len(prompt) :]
+    def drain(self, max_steps: int = 3000) -> None:
+        for _ in range(max_steps):
+            if not self.sched.has_work():
+                return
+            self.step()
+            self.check()
+        raise AssertionError("the scheduler did not drain")
 
 
 def test_running_first_then_waiting_and_chunked_prefill():
-    eng = FakeEngine(num_blocks=64, block_size=4, budget=10, max_seqs=8)
-    a = eng.add("a", list(range(25)), 3)
-    out = eng.step()
+    d = Driver(num_blocks=64, block_size=4, budget=10, max_seqs=8)
+    (a,) = d.add("a", list(range(25)), 3)
+    out, _ = d.step()
     assert out.scheduled == [(a, 10)]
-    eng.add("b", [1, 2, 3], 3)
-    out = eng.step()
+    d.add("b", [1, 2, 3], 3)
+    out, _ = d.step()
     # a still has 15 prompt tokens: it takes the whole budget before b is admitted.
     assert out.scheduled == [(a, 10)]
-    out = eng.step()
-    assert [(r.request_id, n) for r, n in out.scheduled] == [("a", 5), ("b", 3)]
-    out = eng.step()  # decode a and b together
-    assert [(r.request_id, n) for r, n in out.scheduled] == [("a", 1), ("b", 1)]
+    out, _ = d.step()
+    assert [(r.group_id, n) for r, n in out.scheduled] == [("a", 5), ("b", 3)]
+    out, _ = d.step()  # decode a and b together
+    assert [(r.group_id, n) for r, n in out.scheduled] == [("a", 1), ("b", 1)]
 
 
 def test_preemption_takes_newest_and_resumes_with_same_output():
-    eng = FakeEngine(num_blocks=6, block_size=4, budget=64, max_seqs=8)
+    d = Driver(num_blocks=6, block_size=4, budget=64, max_seqs=8)
     prompts = [[i + 1] * 7 for i in range(3)]
-    reqs = [eng.add(f"r{i}", p, 9) for i, p in enumerate(prompts)]
+    reqs = [d.add(f"r{i}", p, 9)[0] for i, p in enumerate(prompts)]
     preempted = []
-    for _ in range(200):
-        if not eng.sched.has_work():
-            break
-        out = eng.step()
-        preempted += [r.request_id for r in out.preempted]
-        eng.check()
+    while d.sched.has_work():
+        out, _ = d.step()
+        preempted += [r.group_id for r in out.preempted]
+        d.check()
     assert preempted, "the pool is too small for all three: something must be preempted"
     assert preempted[0] == "r2"  # newest first
     for r, p in zip(reqs, prompts):
-        assert r.output_token_ids == expected_output(p, 9)
-    assert eng.bm.num_free_blocks == eng.bm.num_blocks
+        assert r.output_token_ids == expected_output(p, 0, 9, eos=False)
+    assert d.bm.num_free_blocks == d.bm.num_blocks
 
 
 def test_request_that_can_never_fit_fails_instead_of_hanging():
-    eng = FakeEngine(num_blocks=2, block_size=4, budget=64, max_seqs=8)
-    r = eng.add("big", list(range(5)), 20)  # grows past 8 tokens = all blocks
-    for _ in range(50):
-        if not eng.sched.has_work():
-            break
-        eng.step()
+    d = Driver(num_blocks=2, block_size=4, budget=64, max_seqs=8)
+    (r,) = d.add("big", list(range(5)), 20)  # grows past 8 tokens = all blocks
+    d.drain(50)
     assert r.status is RequestStatus.FINISHED_ERROR
     assert "KV blocks" in r.error
-    assert eng.bm.num_free_blocks == 2
+    assert d.bm.num_free_blocks == 2
+
+
+def test_n_samples_share_one_prefill_and_fork_with_a_copy_of_the_partial_block():
+    d = Driver(num_blocks=32, block_size=4, budget=64, max_seqs=8)
+    prompt = list(range(1, 11))  # 2 full blocks + 2 tokens
+    samples = d.add("g", prompt, 5, n=3)
+    out, result = d.step()
+    assert out.scheduled == [(samples[0], 10)]  # only the leader computes the prompt
+    assert [r.status for r in samples] == [RequestStatus.RUNNING] * 3
+    assert len(result.copies) == 2  # each follower's private copy of the partial last block
+    for follower in samples[1:]:
+        assert follower.block_ids[:2] == samples[0].block_ids[:2]
+        assert follower.num_computed_tokens == len(prompt)
+    d.drain()
+    for s in samples:
+        assert s.output_token_ids == expected_output(prompt, s.sample_index, 5, eos=False)
+    assert d.bm.stats.prompt_tokens_computed == len(prompt)
+
+
+def test_failed_row_ends_only_its_sequence_and_an_unforked_group_with_it():
+    d = Driver(num_blocks=32, block_size=4, budget=64, max_seqs=8)
+    (solo,) = d.add("solo", [1, 2, 3], 4)
+    group = d.add("g", [4, 5, 6], 4, n=2)
+    # Rows: solo, g#0, g#1 (the follower samples from its leader's last prompt row).
+    _, result = d.step(fail={0})
+    assert solo.status is RequestStatus.FINISHED_ERROR and solo.error == "boom"
+    assert result.ended == [solo]
+    d.drain()
+    assert [s.status for s in group] == [RequestStatus.FINISHED_LENGTH] * 2
+    # An aborted leader whose prompt was never computed takes its followers with it.
+    late = d.add("late", [7, 8], 3, n=3)
+    d.abort(late[0])
+    assert all(s.status is RequestStatus.FINISHED_ABORTED for s in late)
+    assert all(d.ends[s.request_id] == 1 for s in d.all)
+    assert d.bm.num_free_blocks == d.bm.num_blocks
 
 
 @settings(max_examples=150, deadline=None)
@@ -115,40 +195,43 @@ def test_request_that_can_never_fit_fails_instead_of_hanging():
     num_blocks=st.integers(4, 24),
     block_size=st.sampled_from([1, 2, 4, 8]),
     budget=st.integers(1, 40),
-    max_seqs=st.integers(1, 6),
+    max_seqs=st.integers(3, 6),
+    caching=st.booleans(),
     ops=st.lists(
-        st.tuples(st.sampled_from(["add", "step", "step", "abort"]), st.integers(0, 10**6)), max_size=60
+        st.tuples(st.sampled_from(["add", "step", "step", "step", "abort", "fail"]), st.integers(0, 10**6)),
+        max_size=60,
     ),
 )
-def test_invariants_under_random_add_step_abort(num_blocks, block_size, budget, max_seqs, ops):
-    eng = FakeEngine(num_blocks, block_size, budget, max_seqs)
+def test_invariants_under_random_add_step_abort(num_blocks, block_size, budget, max_seqs, caching, ops):
+    d = Driver(num_blocks, block_size, budget, max_seqs, caching)
     rng = random.Random(0)
     expected: dict[str, list[int]] = {}
     for kind, x in ops:
         if kind == "add":
-            rid = f"r{len(eng.all)}"
             prompt = [rng.randrange(5) for _ in range(1 + x % 12)]
-            max_tokens = 1 + x % 7
-            eng.add(rid, prompt, max_tokens)
-            expected[rid] = expected_output(prompt, max_tokens)
+            max_tokens, n, eos = 1 + x % 7, 1 + (x // 7) % 3, x % 5 == 0
+            for s in d.add(f"r{len(d.all)}", prompt, max_tokens, n=n, eos=eos):
+                expected[s.request_id] = expected_output(prompt, s.sample_index, max_tokens, eos)
         elif kind == "step":
-            eng.step()
+            d.step()
+        elif kind == "fail":
+            d.step(fail={x % 4})
         elif kind == "abort":
-            live = [r for r in eng.all if not r.is_finished]
+            live = [r for r in d.all if not r.is_finished]
             if live:
-                eng.end(live[x % len(live)], RequestStatus.FINISHED_ABORTED)
-        eng.sched.remove_finished()
-        eng.check()
-    for _ in range(2000):  # drain
-        if not eng.sched.has_work():
-            break
-        eng.step()
-        eng.sched.remove_finished()
-        eng.check()
-    assert not eng.sched.has_work()
-    for r in eng.all:
+                d.abort(live[x % len(live)])
+        d.sched.remove_finished()
+        d.check()
+    d.drain()
+    assert not d.sched.has_work()
+    for r in d.all:
         assert r.is_finished
-        assert eng.ends[r.request_id] == 1, "every request ends exactly once"
+        assert d.ends[r.request_id] == 1, "every sequence ends exactly once"
+        out, want = r.output_token_ids, expected[r.request_id]
         if r.status is RequestStatus.FINISHED_LENGTH:
-            assert r.output_token_ids == expected[r.request_id]
-    assert eng.bm.num_free_blocks == eng.bm.num_blocks
+            assert out == want
+        elif r.status is RequestStatus.FINISHED_STOPPED:
+            assert out == want and out[-1] == EOS
+        else:  # aborted or failed: whatever it had was correct so far
+            assert out == want[: len(out)]
+    assert d.bm.num_free_blocks == d.bm.num_blocks

@@ -16,6 +16,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from cbgen.core.stats import EngineStats
 from cbgen.request import Request
 
 
@@ -30,20 +31,6 @@ class Block:
 
 
 @dataclass
-class PrefixCacheStats:
-    """Prompt tokens looked up in, and served from, the prefix cache."""
-
-    queries: int = 0
-    hits: int = 0
-    resets: int = 0
-
-    @property
-    def hit_rate(self) -> float:
-        """Fraction of looked-up tokens that were served from the cache."""
-        return self.hits / self.queries if self.queries else 0.0
-
-
-@dataclass
 class BlockManager:
     """Allocates KV blocks to sequences; see the module docstring for the caching scheme."""
 
@@ -51,7 +38,7 @@ class BlockManager:
     block_size: int
     enable_prefix_caching: bool = True
     blocks: list[Block] = field(init=False)
-    stats: PrefixCacheStats = field(default_factory=PrefixCacheStats)
+    stats: EngineStats = field(default_factory=EngineStats)  # shared with the scheduler and engine
 
     def __post_init__(self) -> None:
         self.blocks = [Block(i) for i in range(self.num_blocks)]
@@ -138,7 +125,7 @@ class BlockManager:
             block.block_hash = None
             block.token_ids = ()
         self._cached.clear()
-        self.stats.resets += 1
+        self.stats.prefix_cache_resets += 1
 
     # ------------------------------------------------------------------ allocation
     def _take_free_block(self) -> int:

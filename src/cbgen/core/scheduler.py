@@ -8,8 +8,9 @@ front of the queue to be recomputed later (the prefix cache usually makes that c
 requests are admitted only while budget, sequence slots and blocks remain, and never in a step
 that had to preempt, so admission cannot evict work that was already running.
 
-A request whose newest token is still on the device (overlap scheduling) is scheduled as usual:
-that token is its next input, patched in on the device.
+A running request whose newest token is still on the device (overlap scheduling) is scheduled as
+usual: that token is its next input, patched in on the device.  A preempted one waits until the
+token is read back, since a prefill needs its value.
 
 With ``n > 1`` only sample 0 (the leader) is queued; it reserves seats for its followers, which join
 ``running`` when the engine forks them after the leader's prompt is computed.
@@ -41,17 +42,6 @@ class SchedulerOutput:
         return bool(self.scheduled)
 
 
-@dataclass
-class SchedulerStats:
-    """Cumulative counters exposed through the engine's stats."""
-
-    steps: int = 0
-    preemptions: int = 0
-    scheduled_tokens: int = 0
-    prompt_tokens_computed: int = 0
-    scheduled_seqs: int = 0
-
-
 class Scheduler:
     """Decides which tokens of which requests are computed in each step (see module docstring)."""
 
@@ -61,7 +51,7 @@ class Scheduler:
         self.max_num_seqs = max_num_seqs
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
-        self.stats = SchedulerStats()
+        self.stats = block_manager.stats  # one record for the whole engine
 
     # ------------------------------------------------------------------ queue management
     def add(self, request: Request) -> None:
@@ -117,7 +107,7 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            if request.pending and request.num_output_tokens >= request.max_tokens:
+            if request.pending and request.num_output_tokens + 1 >= request.max_tokens:
                 i += 1  # its last token is in flight and ends it: nothing left to compute
                 continue
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
@@ -138,6 +128,8 @@ class Scheduler:
             seats = self.num_seats_used
             while self.waiting and budget > 0:
                 request = self.waiting[0]
+                if request.pending:
+                    break  # preempted with a token still on the device: a prefill needs its value
                 need_seats = 1 + len(request.followers)
                 if seats + need_seats > self.max_num_seqs:
                     break
@@ -159,17 +151,14 @@ class Scheduler:
                 self.waiting.popleft()
                 if request.num_preemptions == 0:
                     request.num_cached_tokens = num_cached_tokens
-                bm.stats.queries += request.num_tokens
-                bm.stats.hits += num_cached_tokens
+                self.stats.prefix_cache_queries += request.num_tokens
+                self.stats.prefix_cache_hits += num_cached_tokens
                 request.status = RequestStatus.RUNNING
                 self.running.append(request)
                 out.scheduled.append((request, num_new))
                 budget -= num_new
                 seats += need_seats
 
-        self.stats.steps += 1
-        self.stats.scheduled_tokens += self.max_num_batched_tokens - budget
-        self.stats.scheduled_seqs += len(out.scheduled)
         self.stats.prompt_tokens_computed += sum(
             max(0, min(r.num_prompt_tokens - r.num_computed_tokens, n)) for r, n in out.scheduled
         )

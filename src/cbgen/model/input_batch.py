@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from cbgen.core.update import sampling_sequences
 from cbgen.model.attention import AttentionMetadata, PrefillSeq
 from cbgen.request import Request
 
@@ -40,7 +41,8 @@ class ModelInput:
     sample_requests: list[Request]  # one per sampled logits row (after the prompt-logprob rows)
     prompt_rows: list[PromptLogprobRows] = field(default_factory=list)
     num_prompt_rows: int = 0
-    # Overlap scheduling: (row, request) whose input token was still on the device at build time.
+    # Overlap scheduling: (row, request) whose input token was still on the device at build time
+    # (decode rows, so the row is also the packed position).
     pending_rows: list[tuple[int, Request]] = field(default_factory=list)
 
     @property
@@ -81,7 +83,9 @@ class InputBuilder:
         decode_max_len = 0
         if nd:
             computed = np.fromiter((r.num_computed_tokens for r, _ in decodes), dtype=np.int64, count=nd)
-            token_chunks.append([r.token_ids[r.num_computed_tokens] for r, _ in decodes])
+            # A pending token (overlap scheduling) is not known yet: 0 holds its place until the
+            # runner patches in the device-side value (``pending_rows``).
+            token_chunks.append([0 if r.pending else r.token_ids[r.num_computed_tokens] for r, _ in decodes])
             lens = computed + 1
             decode_max_len = int(lens.max())
             width = -(-decode_max_len // bs)
@@ -145,14 +149,10 @@ class InputBuilder:
                     prompt_rows.append(PromptLogprobRows(r, num_prompt_rows, lo + 1, hi - lo))
                     prompt_idx.append(np.arange(start + lo - c, start + hi - c))
                     num_prompt_rows += hi - lo
-            if c + n == r.num_tokens:
-                row = start + n - 1
-                sample_idx.append(row)
-                sample_requests.append(r)
-                if r.followers and r.num_output_tokens == 0:
-                    for follower in r.followers:
-                        sample_idx.append(row)
-                        sample_requests.append(follower)
+            sequences = sampling_sequences(r, n)
+            if sequences:
+                sample_idx += [start + n - 1] * len(sequences)
+                sample_requests += sequences
             start += n
         logits_rows = np.concatenate([*prompt_idx, np.asarray(sample_idx, dtype=np.int64)])
 
@@ -178,6 +178,7 @@ class InputBuilder:
             meta.row_prefill_lens = self._to_device(lens, torch.int32)
             meta.row_prefill_max_len = int(lens.max())
         return ModelInput(
+            pending_rows=[(row, r) for row, (r, _) in enumerate(decodes) if r.pending],
             input_ids=self._to_device(input_ids, torch.int64),
             positions=self._to_device(positions, torch.int64),
             logits_indices=self._to_device(logits_rows.astype(np.int64), torch.int64),

@@ -48,6 +48,7 @@ from cbgen.sample.processors import (
     topk_desc,
     truncation_thresholds,
 )
+from cbgen.sample.prompt_logprobs import prompt_logprobs
 
 FLAG_OK, FLAG_NOTHING_CHOOSABLE, FLAG_BAD_LOGITS = 0, 1, 2
 _FLAG_MESSAGES = {
@@ -772,31 +773,6 @@ def _inverse_cdf_blocked(
     ok = inner.gather(1, j.clamp(max=inner.shape[1] - 1).unsqueeze(1)).squeeze(1) > 0
     j = torch.where(ok, j, last)
     return cols.gather(1, j.unsqueeze(1)).squeeze(1)
-
-
-def prompt_logprobs(
-    logits: torch.Tensor, target_ids: torch.Tensor, k: int
-) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """Raw (temperature 1) log-probabilities of ``target_ids`` under each row of ``logits``.
-
-    Returns ``(logprobs [N] float32, topk_ids [N, k] int64 or None, topk_logprobs [N, k] float32 or
-    None)`` on the CPU; the top-k parts are ``None`` when ``k == 0``.  Row ``i`` of ``logits`` is the
-    prediction for ``target_ids[i]`` (so for a prompt, logits of positions ``0..L-2`` and targets
-    ``prompt[1:]``).
-    """
-    if logits.dim() != 2 or target_ids.shape != (logits.shape[0],):
-        raise ValueError(
-            f"expected logits [N, V] and target_ids [N], got {tuple(logits.shape)} and {tuple(target_ids.shape)}"
-        )
-    with torch.no_grad():
-        x = logits.detach().float()
-        lse = logsumexp_rows(x)
-        target = target_ids.to(device=x.device, dtype=torch.int64)
-        lp = x.gather(1, target.unsqueeze(1)).squeeze(1).double() - lse
-        if k <= 0 or x.shape[0] == 0:
-            return lp.float().cpu(), None, None
-        vals, ids = topk_desc(x, k)
-        return lp.float().cpu(), ids.cpu(), (vals.double() - lse.unsqueeze(1)).float().cpu()
 
 
 __all__ = ["Sampler", "SamplerOutput", "prompt_logprobs", "seeded_uniform"]

@@ -1,0 +1,203 @@
+"""The update rules of a step: what its computed and sampled tokens do to the requests.
+
+Torch-free like the rest of ``core/``.  The engine calls these functions with the tokens it read
+back from the device; the property tests call the very same functions with generated tokens, so
+the rules that run are the rules that are tested.
+
+A step, seen from here:
+
+1. :func:`advance` when the forward is launched: the scheduled tokens count as computed.
+2. :func:`apply_sampled` once the sampled tokens are on the host: forks n>1 samples off their
+   leader's prompt, appends one token (and its logprobs) per sampled row, checks stops, ends
+   sequences (:func:`finish`, the one place a sequence ends and frees its blocks), and publishes
+   the full blocks the step completed to the prefix cache.
+
+With overlap scheduling (2) runs one step after (1), so the next step may already be scheduled
+around a token that is still on the device (``Request.pending``); a token sampled for a sequence
+that ended in between is dropped.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from cbgen.core.scheduler import Scheduler
+from cbgen.request import Request, RequestStatus
+
+# (request, its newest token) -> the stop string that token completed, or None.
+StopStringCheck = Callable[[Request, int], "str | None"]
+
+
+@dataclass
+class SampledTokens:
+    """One step's sampled rows on the host; row ``i`` belongs to the step's ``i``-th sampling sequence."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    raw_logprobs: list[float]
+    log_kept_mass: list[float]
+    top_ids: list[list[int]] | None = None
+    top_logprobs: list[list[float]] | None = None
+    failed: dict[int, str] = field(default_factory=dict)  # row -> why nothing could be sampled
+
+
+@dataclass
+class StepUpdate:
+    """What applying a step changed."""
+
+    touched: list[Request] = field(default_factory=list)  # got a token or ended
+    ended: list[Request] = field(default_factory=list)  # reached a terminal status, in order
+    copies: list[tuple[int, int]] = field(default_factory=list)  # copy-on-fork (src, dst) blocks
+    num_generated: int = 0
+
+
+def sampling_sequences(request: Request, num_new_tokens: int) -> list[Request]:
+    """The sequences that sample from ``request``'s last row in a step that computes
+    ``num_new_tokens`` of it: none mid-prefill, else the request itself, followed by its n>1
+    followers when this completes the group's shared prompt."""
+    if request.num_computed_tokens + num_new_tokens != request.num_tokens:
+        return []
+    if request.followers and request.num_tokens == request.num_prompt_tokens:
+        return [request, *request.followers]
+    return [request]
+
+
+def advance(scheduled: list[tuple[Request, int]], block_size: int) -> list[Request]:
+    """Counts a launched step's tokens as computed; returns the requests that completed a block
+    (published by :func:`apply_sampled` once all their tokens are known)."""
+    crossed = []
+    for r, n in scheduled:
+        before = r.num_computed_tokens
+        r.num_computed_tokens = before + n
+        if (before + n) // block_size > before // block_size:
+            crossed.append(r)
+    return crossed
+
+
+def publish(scheduler: Scheduler, requests: list[Request]) -> None:
+    """Offers the full computed blocks of ``requests`` to the prefix cache."""
+    for r in requests:
+        if not r.is_finished and not r.pending:
+            scheduler.block_manager.cache_computed_blocks(r)
+
+
+def apply_sampled(
+    scheduler: Scheduler,
+    requests: list[Request],
+    sampled: SampledTokens,
+    crossed: list[Request],
+    *,
+    max_model_len: int,
+    stop_string: StopStringCheck | None = None,
+) -> StepUpdate:
+    """Applies one step's sampled tokens to its sampling sequences ``requests`` (see module docstring)."""
+    update = StepUpdate()
+    # Forks first: a leader may finish in this very step and free its blocks.
+    for r in requests:
+        if r.status is RequestStatus.WAITING_FOR_FORK:
+            pair = fork_follower(scheduler, r)
+            if pair is not None:
+                update.copies.append(pair)
+    tokens, failed, top_ids = sampled.token_ids, sampled.failed, sampled.top_ids
+    now = time.monotonic()
+    # Runs for every sampled sequence every step: each attribute is read once.
+    for i, r in enumerate(requests):
+        if r.is_finished:
+            continue  # ended (stopped, aborted) after this step was launched: its token is dropped
+        update.touched.append(r)
+        if i in failed:
+            update.ended += finish(scheduler, r, RequestStatus.FINISHED_ERROR, failed[i])
+            continue
+        if r.first_token_time is None:
+            r.first_token_time = now
+        token = tokens[i]
+        r.append_token(token)
+        r.token_logprobs.append(sampled.logprobs[i])
+        r.raw_logprobs.append(sampled.raw_logprobs[i])
+        r.log_kept_mass.append(sampled.log_kept_mass[i])
+        if r.top_logprobs is not None and top_ids is not None:
+            k = r.params.logprobs or 0
+            # Candidates cut by truncation carry -inf: they were never possible, so leave them out.
+            pairs = zip(top_ids[i][:k], sampled.top_logprobs[i][:k])
+            r.top_logprobs.append({t: lp for t, lp in pairs if lp > -math.inf})
+        update.num_generated += 1
+        status = stop_status(r, token, max_model_len, stop_string)
+        if status is not None:
+            update.ended += finish(scheduler, r, status)
+    publish(scheduler, crossed)
+    return update
+
+
+def stop_status(
+    r: Request, token: int, max_model_len: int, stop_string: StopStringCheck | None = None
+) -> RequestStatus | None:
+    """The terminal status ``token`` (just appended) puts ``r`` in, or None to go on.  Sets
+    ``stop_reason`` for stop tokens and strings."""
+    params = r.params
+    num_tokens = len(r.token_ids)
+    num_output = num_tokens - r.num_prompt_tokens
+    if num_output >= params.min_tokens and (token in r.eos_token_ids or token in params.stop_token_ids):
+        r.stop_reason = token if token in params.stop_token_ids else None
+        return RequestStatus.FINISHED_STOPPED
+    if stop_string is not None and params.stop:
+        matched = stop_string(r, token)
+        if matched is not None:
+            r.stop_reason = matched
+            return RequestStatus.FINISHED_STOPPED
+    if num_output >= r.max_tokens or num_tokens >= max_model_len:
+        return RequestStatus.FINISHED_LENGTH
+    return None
+
+
+def fork_follower(scheduler: Scheduler, follower: Request) -> tuple[int, int] | None:
+    """Starts an n>1 sample off its leader's computed prompt; returns the block copy it needs.
+
+    Full prompt blocks are shared; the partial last one is copied.  When that is not possible (no
+    free block for the copy, or the leader lost its prompt's K/V to a preemption) the sample is
+    queued on its own instead and recomputes the prompt, usually from the prefix cache."""
+    leader = follower.leader
+    assert leader is not None, follower.request_id
+    leader.followers.remove(follower)
+    follower.leader = None
+    if leader.num_computed_tokens >= leader.num_prompt_tokens:
+        try:
+            # The prompt only: with overlap scheduling the leader may already have computed its
+            # first sampled token, which is not the follower's.
+            pair = scheduler.block_manager.fork(leader, follower, leader.num_prompt_tokens)
+        except MemoryError:
+            pass
+        else:
+            scheduler.add_running(follower)
+            return pair
+    scheduler.requeue(follower)
+    return None
+
+
+def finish(
+    scheduler: Scheduler, r: Request, status: RequestStatus, error: str | None = None
+) -> list[Request]:
+    """The one place a sequence ends: sets its status and frees its blocks.  A leader that ends
+    before its prompt produced anything takes its unforked followers with it.  Returns every
+    sequence that ended here.  ``running`` is swept later by :meth:`Scheduler.remove_finished`."""
+    assert not r.is_finished, f"{r.request_id} finished twice"
+    was_forking = r.status is RequestStatus.WAITING_FOR_FORK
+    was_waiting = r.status is RequestStatus.WAITING
+    r.pending = False
+    r.status = status
+    r.finish_reason = status.value
+    r.error = error
+    ended = [r]
+    if was_forking:
+        r.leader.followers.remove(r)  # never forked: it holds no blocks
+        r.leader = None
+    else:
+        if was_waiting and r in scheduler.waiting:
+            scheduler.waiting.remove(r)
+        scheduler.block_manager.free(r)
+    if r.followers and r.num_output_tokens == 0:
+        for follower in list(r.followers):
+            ended += finish(scheduler, follower, status, error)
+    return ended
