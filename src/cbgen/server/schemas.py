@@ -3,7 +3,7 @@
 Scalars are strict (``"16"`` is not an integer, ``true`` is not a number) so that a client bug is
 reported as a 400 instead of being silently coerced.  Unknown fields are ignored, as OpenAI's own API
 does for fields it added after a client was written.  Responses are built as plain dicts in
-:mod:`cbgen.server.app`, which keeps the hot streaming path free of model construction.
+:mod:`cbgen.server.job`, which keeps the hot streaming path free of model construction.
 """
 
 from __future__ import annotations

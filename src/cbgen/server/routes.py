@@ -1,0 +1,104 @@
+"""The FastAPI app: its routes, each parsing a request, planning it and handing it to a job."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import APIRouter, FastAPI
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from cbgen.async_engine import AsyncEngine
+from cbgen.server.auth import APIKeyMiddleware
+from cbgen.server.errors import install_error_handlers
+from cbgen.server.job import run_plan
+from cbgen.server.metrics import CONTENT_TYPE
+from cbgen.server.schemas import ChatCompletionRequest, CompletionRequest
+from cbgen.server.state import ServerLimits, ServerState
+from cbgen.server.translate import parse_body, plan_chat, plan_completion, read_json
+
+# Handlers are module-level and find their app's state on the request, so one router serves any app.
+router = APIRouter()
+
+
+def _state(request: Request) -> ServerState:
+    return request.app.state.cbgen
+
+
+@router.get("/health")
+async def health(request: Request) -> Response:
+    """200 while the engine runs, 503 once it has stopped or is shutting down."""
+    if _state(request).engine.is_running:
+        return JSONResponse({"status": "ok"})
+    return JSONResponse({"status": "unavailable"}, status_code=503)
+
+
+@router.get("/metrics")
+async def metrics(request: Request) -> Response:
+    """Prometheus metrics."""
+    return Response(_state(request).metrics.render(), media_type=CONTENT_TYPE)
+
+
+@router.get("/v1/models")
+async def models(request: Request) -> JSONResponse:
+    """The one model this server serves."""
+    state = _state(request)
+    model = {
+        "id": state.model_name,
+        "object": "model",
+        "created": state.created,
+        "owned_by": "cbgen",
+        "max_model_len": state.max_model_len,
+    }
+    return JSONResponse({"object": "list", "data": [model]})
+
+
+@router.post("/v1/completions")
+async def completions(request: Request) -> Response:
+    """OpenAI text completions, streamed with SSE or answered whole."""
+    arrival = time.monotonic()
+    state = _state(request)
+    req = parse_body(CompletionRequest, await read_json(request, state.limits.max_body_bytes))
+    return await run_plan(state, plan_completion(state, req), request, arrival)
+
+
+@router.post("/v1/chat/completions")
+async def chat_completions(request: Request) -> Response:
+    """OpenAI chat completions, streamed with SSE or answered whole."""
+    arrival = time.monotonic()
+    state = _state(request)
+    req = parse_body(ChatCompletionRequest, await read_json(request, state.limits.max_body_bytes))
+    return await run_plan(state, plan_chat(state, req), request, arrival)
+
+
+def build_app(
+    async_engine: AsyncEngine,
+    tokenizer: Any,
+    served_model_name: str,
+    limits: ServerLimits | None = None,
+    shutdown_engine_on_exit: bool = True,
+) -> FastAPI:
+    """The FastAPI app serving ``async_engine`` as ``served_model_name``.
+
+    With ``shutdown_engine_on_exit`` the app's lifespan shutdown aborts in-flight requests and stops
+    the engine thread.
+    """
+    limits = limits or ServerLimits()
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        yield
+        if shutdown_engine_on_exit:
+            await asyncio.to_thread(async_engine.shutdown, True, 30.0)
+
+    app = FastAPI(title="cbgen", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.cbgen = ServerState(async_engine, tokenizer, served_model_name, limits)
+    install_error_handlers(app)
+    app.include_router(router)
+    if limits.api_key:
+        app.add_middleware(APIKeyMiddleware, api_key=limits.api_key)
+    return app

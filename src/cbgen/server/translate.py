@@ -1,0 +1,253 @@
+"""OpenAI request → engine input: body reading and its limits, SamplingParams, ``max_tokens``.
+
+Everything here runs before a request reaches the engine, so every rejection is a 4xx and the engine
+never sees a request the server would have refused.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from pydantic import ValidationError
+from starlette.requests import Request
+
+from cbgen.sampling_params import SamplingParams
+from cbgen.server.errors import APIError, bad_request, sampling_param_of, validation_error
+from cbgen.server.prompts import chat_prompt, check_prompt, completion_prompts
+from cbgen.server.schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
+from cbgen.server.state import ServerLimits, ServerState
+
+
+@dataclass
+class GenerationPlan:
+    """What one HTTP request asks the engine for, and how its answer is to be shaped."""
+
+    chat: bool
+    prompts: list[list[int]]
+    params: list[SamplingParams]
+    n: int
+    logprobs: bool
+    include_usage: bool
+    stream: bool
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not valid JSON")
+
+
+async def read_json(request: Request, max_bytes: int) -> dict[str, Any]:
+    """The request body as a JSON object, enforcing the size limit before parsing anything."""
+    length = request.headers.get("content-length")
+    if length is not None:
+        try:
+            declared = int(length)
+        except ValueError:
+            raise bad_request("invalid Content-Length header") from None
+        if declared > max_bytes:
+            raise APIError(
+                413,
+                f"request body of {declared} bytes exceeds the limit of {max_bytes} bytes",
+                code="request_too_large",
+            )
+    chunks: list[bytes] = []
+    total = 0
+    async for chunk in request.stream():
+        total += len(chunk)
+        # Checked while streaming: a chunked body has no Content-Length to check up front.
+        if total > max_bytes:
+            raise APIError(
+                413, f"request body exceeds the limit of {max_bytes} bytes", code="request_too_large"
+            )
+        chunks.append(chunk)
+    try:
+        text = b"".join(chunks).decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise bad_request(f"request body is not valid UTF-8: {exc.reason} at byte {exc.start}") from None
+    try:
+        obj = json.loads(text, parse_constant=_reject_constant)
+    except (ValueError, RecursionError) as exc:
+        raise bad_request(f"request body is not valid JSON: {exc}") from None
+    if not isinstance(obj, dict):
+        raise bad_request("request body must be a JSON object")
+    return obj
+
+
+def parse_body(model: type[SamplingFields], obj: dict[str, Any]) -> Any:
+    """``obj`` validated as ``model``; a schema violation is a 400."""
+    try:
+        return model.model_validate(obj)
+    except ValidationError as exc:
+        raise validation_error(exc) from None
+
+
+def check_model(state: ServerState, name: str) -> None:
+    """404 unless ``name`` is the model this server serves."""
+    if name != state.model_name:
+        raise APIError(
+            404,
+            f"the model {name!r} does not exist; this server serves {state.model_name!r}",
+            param="model",
+            code="model_not_found",
+        )
+
+
+def check_stream_options(req: SamplingFields) -> bool:
+    """Whether a final usage chunk was asked for; ``stream_options`` without streaming is a 400."""
+    if req.stream_options is not None and not req.stream:
+        raise bad_request("stream_options is only allowed together with stream=true", param="stream_options")
+    return bool(req.stream and req.stream_options is not None and req.stream_options.include_usage)
+
+
+def resolve_max_tokens(
+    state: ServerState, requested: int | None, default: int | None, prompt_len: int, param: str
+) -> int:
+    """The ``max_tokens`` to run with; a requested value that cannot fit is a 400, never clamped."""
+    room = state.max_model_len - prompt_len
+    cap = state.limits.max_tokens_limit
+    if requested is None:
+        # An unspecified length must never turn into an error, so it also stays within the KV cache.
+        kv_room = state.num_blocks * state.block_size - prompt_len
+        value = min(room, kv_room) if default is None else min(default, room, kv_room)
+        if cap is not None:
+            value = min(value, cap)
+        value = max(value, 1)
+    else:
+        if requested < 1:
+            raise bad_request(f"{param} must be at least 1, got {requested}", param=param)
+        if cap is not None and requested > cap:
+            raise bad_request(f"{param}={requested} exceeds the server limit of {cap}", param=param)
+        if requested > room:
+            raise bad_request(
+                f"this model's context is {state.max_model_len} tokens; the prompt has {prompt_len} and "
+                f"{param}={requested} would exceed it",
+                param=param,
+            )
+        value = requested
+    need = -(-(prompt_len + value) // state.block_size)
+    if need > state.num_blocks:
+        raise bad_request(
+            f"prompt + {param} need {need} KV-cache blocks but the server has {state.num_blocks}; "
+            f"lower {param} or shorten the prompt",
+            param=param,
+        )
+    return value
+
+
+def _check_request_limits(req: SamplingFields, lim: ServerLimits) -> list[str]:
+    """Checks ``n``, ``stop`` and ``seed`` against the limits; returns the stop strings as a list."""
+    if req.n < 1:
+        raise bad_request(f"n must be at least 1, got {req.n}", param="n")
+    if req.n > lim.max_n:
+        raise bad_request(f"n={req.n} exceeds the server limit of {lim.max_n}", param="n")
+    stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+    if len(stop) > lim.max_stop_sequences:
+        raise bad_request(f"at most {lim.max_stop_sequences} stop sequences are allowed", param="stop")
+    if any(len(s) > lim.max_stop_length for s in stop):
+        raise bad_request(f"stop sequences are limited to {lim.max_stop_length} characters", param="stop")
+    if req.seed is not None and not -(2**63) <= req.seed < 2**63:
+        raise bad_request("seed must fit in a signed 64-bit integer", param="seed")
+    return stop
+
+
+def _logit_bias(req: SamplingFields, lim: ServerLimits) -> dict[int, float] | None:
+    """OpenAI's ``logit_bias`` (string token ids) as the engine's ``{token_id: bias}``."""
+    if not req.logit_bias:
+        return None
+    if len(req.logit_bias) > lim.max_logit_bias:
+        raise bad_request(f"logit_bias may name at most {lim.max_logit_bias} tokens", param="logit_bias")
+    logit_bias = {}
+    for key, value in req.logit_bias.items():
+        if not re.fullmatch(r"\d{1,9}", key):
+            raise bad_request(f"logit_bias key {key!r} is not a token id", param="logit_bias")
+        if not -100 <= value <= 100:
+            raise bad_request(f"logit_bias value for token {key} must be in [-100, 100]", param="logit_bias")
+        logit_bias[int(key)] = float(value)
+    return logit_bias
+
+
+def sampling_params(
+    state: ServerState, req: SamplingFields, max_tokens: int, logprobs: int | None
+) -> SamplingParams:
+    """The request's sampling fields as :class:`SamplingParams`, with OpenAI's defaults filled in."""
+    stop = _check_request_limits(req, state.limits)
+    logit_bias = _logit_bias(req, state.limits)
+    top_k = -1 if req.top_k is None else req.top_k
+    if top_k >= state.vocab_size:
+        top_k = -1  # keeping the whole vocabulary is the same as no top-k
+    kwargs: dict[str, Any] = dict(
+        n=req.n,
+        max_tokens=max_tokens,
+        min_tokens=req.min_tokens or 0,
+        temperature=1.0 if req.temperature is None else req.temperature,
+        top_p=1.0 if req.top_p is None else req.top_p,
+        top_k=top_k,
+        min_p=0.0 if req.min_p is None else req.min_p,
+        repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+        presence_penalty=req.presence_penalty or 0.0,
+        frequency_penalty=req.frequency_penalty or 0.0,
+        logit_bias=logit_bias,
+        stop=stop,
+        stop_token_ids=req.stop_token_ids,
+        ignore_eos=bool(req.ignore_eos),
+        include_stop_str_in_output=bool(req.include_stop_str_in_output),
+        skip_special_tokens=True if req.skip_special_tokens is None else req.skip_special_tokens,
+        seed=req.seed,
+        logprobs=logprobs,
+    )
+    if kwargs["min_tokens"] > max_tokens:
+        raise bad_request(
+            f"min_tokens={kwargs['min_tokens']} exceeds max_tokens={max_tokens}", param="min_tokens"
+        )
+    try:
+        return SamplingParams(**kwargs)
+    except ValueError as exc:
+        raise bad_request(str(exc), param=sampling_param_of(str(exc))) from None
+
+
+def plan_completion(state: ServerState, req: CompletionRequest) -> GenerationPlan:
+    """``POST /v1/completions``: every prompt of the request with its own ``SamplingParams``."""
+    check_model(state, req.model)
+    if req.echo:
+        raise bad_request("echo is not supported", param="echo")
+    if req.suffix:
+        raise bad_request("suffix is not supported", param="suffix")
+    if req.best_of is not None and req.best_of != req.n:
+        raise bad_request("best_of other than n is not supported", param="best_of")
+    if req.logprobs is not None and not 0 <= req.logprobs <= state.max_logprobs:
+        raise bad_request(f"logprobs must be between 0 and {state.max_logprobs}", param="logprobs")
+    include_usage = check_stream_options(req)
+    prompts = completion_prompts(state, req)
+    params = [
+        sampling_params(
+            state, req, resolve_max_tokens(state, req.max_tokens, 16, len(ids), "max_tokens"), req.logprobs
+        )
+        for ids in prompts
+    ]
+    return GenerationPlan(
+        False, prompts, params, req.n, req.logprobs is not None, include_usage, bool(req.stream)
+    )
+
+
+def plan_chat(state: ServerState, req: ChatCompletionRequest) -> GenerationPlan:
+    """``POST /v1/chat/completions``: the templated conversation as one prompt."""
+    check_model(state, req.model)
+    if req.top_logprobs is not None:
+        if not req.logprobs:
+            raise bad_request("top_logprobs requires logprobs=true", param="top_logprobs")
+        if not 0 <= req.top_logprobs <= state.max_logprobs:
+            raise bad_request(
+                f"top_logprobs must be between 0 and {state.max_logprobs}", param="top_logprobs"
+            )
+    include_usage = check_stream_options(req)
+    ids = chat_prompt(state, req)
+    check_prompt(state, ids)
+    requested, name = (req.max_completion_tokens, "max_completion_tokens")
+    if requested is None:
+        requested, name = req.max_tokens, "max_tokens"
+    max_tokens = resolve_max_tokens(state, requested, None, len(ids), name)
+    logprobs = (req.top_logprobs or 0) if req.logprobs else None
+    params = sampling_params(state, req, max_tokens, logprobs)
+    return GenerationPlan(True, [ids], [params], req.n, bool(req.logprobs), include_usage, bool(req.stream))
