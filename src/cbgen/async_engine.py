@@ -20,8 +20,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
-import operator
 import threading
 import time
 import uuid
@@ -30,7 +30,9 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from cbgen.core.stats import EngineStats
 from cbgen.engine import Engine
+from cbgen.inputs import as_token_ids
 from cbgen.outputs import CompletionOutput, RequestOutput
 from cbgen.sampling_params import SamplingParams
 
@@ -54,9 +56,10 @@ class EngineShutdownError(RuntimeError):
     """Raised when a request is submitted to an engine that is shutting down or has stopped."""
 
 
-@dataclass(frozen=True)
-class AsyncEngineStats:
-    """A consistent snapshot of the engine, taken on the engine thread after every loop iteration."""
+@dataclass
+class AsyncEngineStats(EngineStats):
+    """A consistent snapshot of the engine's counters plus its gauges, taken on the engine thread
+    after every loop iteration (a copy: later steps do not change it)."""
 
     running: int = 0  # sequences in the scheduler's running list
     waiting: int = 0  # sequences waiting for admission (or preempted)
@@ -65,23 +68,9 @@ class AsyncEngineStats:
     num_blocks: int = 0
     num_free_blocks: int = 0
     num_used_blocks: int = 0
-    prefix_cache_queries: int = 0
-    prefix_cache_hits: int = 0
-    prompt_tokens: int = 0
-    generated_tokens: int = 0
-    preemptions: int = 0
-    requests_finished: int = 0
-    requests_aborted: int = 0
-    requests_failed: int = 0
-    steps: int = 0
     step_errors: int = 0
     paused: bool = False
     alive: bool = True
-
-    @property
-    def prefix_cache_hit_rate(self) -> float:
-        """Fraction of looked-up prompt tokens that the prefix cache served."""
-        return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
 
 
 class RequestStream:
@@ -209,17 +198,7 @@ class AsyncEngine:
             if self.tokenizer is None:
                 raise ValueError("string prompts need a tokenizer; pass token ids instead")
             return list(self.tokenizer.encode(prompt, add_special_tokens=True)), prompt
-        if isinstance(prompt, (bytes, bytearray)) or not isinstance(prompt, Sequence):
-            raise ValueError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}")
-        ids = []
-        for t in prompt:
-            if isinstance(t, bool):
-                raise ValueError(f"prompt token id {t!r} is not an integer")
-            try:
-                ids.append(operator.index(t))
-            except TypeError:
-                raise ValueError(f"prompt token id {t!r} is not an integer") from None
-        return ids, None
+        return as_token_ids(prompt), None
 
     def add_request(
         self,
@@ -353,7 +332,7 @@ class AsyncEngine:
             stats = self._stats
             in_flight = len(self._active)
         alive = self._thread.is_alive()
-        return AsyncEngineStats(**{**stats.__dict__, "in_flight": in_flight, "alive": alive})
+        return dataclasses.replace(stats, in_flight=in_flight, alive=alive)
 
     # ------------------------------------------------------------------ engine thread
     def _next_commands(self) -> list[tuple] | None:
@@ -363,7 +342,7 @@ class AsyncEngine:
                 if self._pause_depth > 0:
                     if not self._parked:
                         self._parked = True
-                        self._stats = AsyncEngineStats(**{**self._stats.__dict__, "paused": True})
+                        self._stats = dataclasses.replace(self._stats, paused=True)
                         self._cond.notify_all()
                     self._cond.wait()
                     continue
@@ -470,24 +449,17 @@ class AsyncEngine:
 
     def _snapshot(self) -> None:
         engine = self.engine
-        s = engine.stats
         bm = engine.block_manager
+        counters = {f.name: getattr(engine.stats, f.name) for f in dataclasses.fields(EngineStats)}
+        counters["times"] = dict(counters["times"])
         stats = AsyncEngineStats(
+            **counters,
             running=len(engine.scheduler.running),
             waiting=len(engine.scheduler.waiting),
             kv_usage=float(bm.usage),
             num_blocks=int(bm.num_blocks),
             num_free_blocks=int(bm.num_free_blocks),
             num_used_blocks=int(bm.num_used_blocks),
-            prefix_cache_queries=int(s.prefix_cache_queries),
-            prefix_cache_hits=int(s.prefix_cache_hits),
-            prompt_tokens=int(s.prompt_tokens),
-            generated_tokens=int(s.generated_tokens),
-            preemptions=int(s.preemptions),
-            requests_finished=int(s.requests_finished),
-            requests_aborted=int(s.requests_aborted),
-            requests_failed=int(s.requests_failed),
-            steps=int(s.steps),
             step_errors=self._step_errors,
         )
         with self._cond:

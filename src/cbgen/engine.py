@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import operator
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -31,6 +30,7 @@ from cbgen.core.block_manager import BlockManager
 from cbgen.core.scheduler import Scheduler, SchedulerOutput
 from cbgen.core.stats import EngineStats, StepStats
 from cbgen.core.update import SampledTokens
+from cbgen.inputs import as_token_ids
 from cbgen.model.input_batch import InputBuilder, ModelInput
 from cbgen.model.kv_cache import KVCache, KVGeometry, choose_num_blocks
 from cbgen.model.runner import ModelRunner, choose_backend
@@ -188,13 +188,19 @@ class Engine:
                 f"prompt has {len(prompt_token_ids)} tokens, longer than the model's context of "
                 f"{self.max_model_len} tokens (at least one token must be generated)"
             )
-        need = self.block_manager.blocks_needed(len(prompt_token_ids) + 1)
+        # The prompt's K/V must fit; the first sampled token's is only needed if a second follows.
+        need = self.block_manager.blocks_needed(len(prompt_token_ids))
         if need > self.block_manager.num_blocks:
             raise ValueError(
                 f"prompt needs {need} KV blocks but the cache has only {self.block_manager.num_blocks}; "
                 "raise num_blocks or kv_cache_memory"
             )
         params.verify_for_model(self.vocab_size, self.config.max_logprobs)
+        if params.stop and self.tokenizer is None:
+            raise ValueError(
+                "SamplingParams.stop: stop strings need a tokenizer (pass one to LLM/Engine, or use "
+                "stop_token_ids)"
+            )
         unknown = set(params.logits_processor_args or ()) - set(self.sampler.logits_processor_names)
         if unknown:
             raise ValueError(
@@ -211,7 +217,7 @@ class Engine:
         stream: bool = False,
     ) -> str:
         """Queues one request (``params.n`` samples).  Raises ``ValueError`` on bad input."""
-        prompt_token_ids = _as_token_list(prompt_token_ids)
+        prompt_token_ids = as_token_ids(prompt_token_ids)
         self.validate(prompt_token_ids, params)
         request_id = request_id or self.new_request_id()
         if request_id in self.groups:
@@ -247,17 +253,24 @@ class Engine:
         return request_id
 
     def abort(self, request_id: str) -> RequestOutput | None:
-        """Aborts a request (all its samples); frees its blocks.  Returns its final output, or None if unknown."""
+        """Aborts a request (all its samples) and frees its blocks; returns its final output, or
+        None if the id is unknown.  A sample id (``"<request id>#<i>"``, n>1) aborts that sample
+        only; the group's output then comes when the group ends (returned here if that is now)."""
         group = self.groups.get(request_id)
+        samples = group.samples if group is not None else None
         if group is None:
-            return None
+            group_id, _, index = request_id.rpartition("#")
+            group = self.groups.get(group_id)
+            if group is None or not index.isdecimal() or int(index) >= len(group.samples):
+                return None
+            samples = [group.samples[int(index)]]
         ended = []
-        for sample in group.samples:
+        for sample in samples:
             if not sample.is_finished:
                 ended += step_update.finish(self.scheduler, sample, RequestStatus.FINISHED_ABORTED)
         self._count_ended(ended)
         self.scheduler.remove_finished()
-        return self._group_output(group)
+        return self._group_output(group) if len(samples) > 1 or group.all_finished() else None
 
     def abort_all(self, error: str) -> list[RequestOutput]:
         """Ends every request in flight as failed with ``error`` (after a step raised: the state of
@@ -303,23 +316,57 @@ class Engine:
         self.runner.weights_changed()
         self.reset_prefix_cache()
         # Policy: a request in flight when the weights change is recomputed from its prompt under the
-        # new weights, discarding what it generated, so every output comes from one weight version.
-        # A streamed request cannot take back what it already sent: it keeps its tokens and only its
-        # K/V is recomputed under the new weights.
+        # new weights, discarding what it generated, so every output comes from one weight version;
+        # for n>1 that includes samples that already finished (the whole group restarts).  A streamed
+        # request cannot take back what it already sent: it keeps its tokens and only its K/V is
+        # recomputed under the new weights.
         version = self.weights.version
-        for request in list(self.scheduler.running) + list(self.scheduler.waiting):
-            if request.num_computed_tokens == 0 and request.num_output_tokens == 0:
-                request.weight_version = version
+        requeue: list[Request] = []
+        for group in list(self.groups.values()):
+            if not group.stream and any(
+                s.num_computed_tokens or s.num_output_tokens or s.is_finished for s in group.samples
+            ):
+                requeue += self._restart_group(group)
                 continue
-            self.scheduler.remove(request)
-            if self.groups[request.group_id].stream:
-                request.num_computed_tokens = 0
-            else:
-                request.reset_outputs()
-                self.output_processor.init_request(request, False)
-            request.weight_version = version
+            for sample in group.samples:
+                if sample.is_finished:
+                    continue
+                if sample.num_computed_tokens:
+                    self.scheduler.remove(sample)
+                    sample.num_computed_tokens = 0
+                    requeue.append(sample)
+                sample.weight_version = version
+        for request in reversed(requeue):  # at the front of the queue, in their original order
             self.scheduler.requeue(request)
         self.scheduler.remove_finished()
+
+    def _restart_group(self, group: RequestGroup) -> list[Request]:
+        """Puts a group back in the state :meth:`add_request` left it in: every sample that did not
+        end by abort or error forgets its tokens, and the first of them prefills for the others.
+        Returns the sequence to queue again (none if every sample was aborted or failed)."""
+        version = self.weights.version
+        samples = []
+        for sample in group.samples:
+            if sample.status in (RequestStatus.FINISHED_ABORTED, RequestStatus.FINISHED_ERROR):
+                continue
+            if sample.is_finished:
+                self.stats.requests_finished -= 1  # it ends again, under the new weights
+            else:
+                self.scheduler.remove(sample)
+            sample.reset_outputs()
+            sample.finish_reason = sample.stop_reason = None
+            sample.first_token_time = None
+            sample.weight_version = version
+            self.output_processor.init_request(sample, group.stream)
+            samples.append(sample)
+        if not samples:
+            return []
+        leader, followers = samples[0], samples[1:]
+        leader.leader, leader.followers, leader.fork_seats = None, followers, 0
+        for follower in followers:
+            follower.leader, follower.followers = leader, []
+            follower.status = RequestStatus.WAITING_FOR_FORK
+        return [leader]
 
     def reset_prefix_cache(self) -> None:
         """Drops every cached prefix block (they stay valid for the requests that hold them)."""
@@ -525,14 +572,3 @@ def _host_tokens(sampled: SamplerOutput) -> SampledTokens:
 
 def _with_max_tokens(params: SamplingParams, limit: int) -> SamplingParams:
     return dataclasses.replace(params, max_tokens=limit, min_tokens=min(params.min_tokens, limit))
-
-
-def _as_token_list(token_ids: Sequence[int]) -> list:
-    """Plain Python ints (numpy and tensor integers included); anything else is left for validation."""
-    out = []
-    for t in token_ids:
-        try:
-            out.append(operator.index(t))
-        except TypeError:
-            out.append(t)
-    return out

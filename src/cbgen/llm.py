@@ -12,6 +12,7 @@ from tqdm.auto import tqdm
 
 from cbgen.config import EngineConfig
 from cbgen.engine import Engine, StepStats
+from cbgen.inputs import as_token_ids
 from cbgen.outputs import RequestOutput
 from cbgen.sampling_params import SamplingParams
 
@@ -73,9 +74,7 @@ class LLM:
             if self.tokenizer is None:
                 raise ValueError("string prompts need a tokenizer; pass token ids or LLM(model, tokenizer)")
             return self.tokenizer.encode(prompt, add_special_tokens=True), prompt
-        if isinstance(prompt, torch.Tensor):
-            return prompt.reshape(-1).tolist(), None
-        return list(prompt), None
+        return as_token_ids(prompt), None
 
     @staticmethod
     def _params_list(sampling_params, count: int) -> list[SamplingParams]:

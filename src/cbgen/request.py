@@ -72,6 +72,7 @@ class Request:
     # points back at it.  Not in repr: the two would recurse.
     followers: list[Request] = field(default_factory=list, repr=False)
     leader: Request | None = field(default=None, repr=False)
+    fork_seats: int = 0  # leader: followers that fork straight into running (seats reserved)
     finish_reason: str | None = None
     stop_reason: str | int | None = None
     error: str | None = None
@@ -133,6 +134,7 @@ class Request:
     def reset_outputs(self) -> None:
         """Forgets every generated token and its logprobs (a restart from the prompt)."""
         del self.token_ids[self.num_prompt_tokens :]
+        self.block_hashes.clear()  # they covered the dropped tokens too; recomputed on demand
         self.pending = False
         self.num_computed_tokens = 0
         self.token_logprobs.clear()

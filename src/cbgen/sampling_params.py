@@ -7,6 +7,8 @@ model, so the engine runs :meth:`SamplingParams.verify_for_model` when a request
 
 from __future__ import annotations
 
+import math
+import operator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -55,55 +57,67 @@ class SamplingParams:
         def bad(name: str, why: str) -> ValueError:
             return ValueError(f"SamplingParams.{name}: {why} (got {getattr(self, name)!r})")
 
-        if not isinstance(self.n, int) or isinstance(self.n, bool) or self.n < 1:
-            raise bad("n", "must be an integer >= 1")
-        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
-            raise bad("max_tokens", "must be an integer >= 1 or None")
-        if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
-            raise bad("min_tokens", "must be an integer >= 0")
+        def integer(name: str, low: int, optional: bool = False) -> None:
+            # Integers only: bools, floats and strings are refused, numpy integers normalised.
+            value = getattr(self, name)
+            if value is None and optional:
+                return
+            number = _as_int(value)
+            if number is None or number < low:
+                raise bad(name, f"must be an integer >= {low}" + (" or None" if optional else ""))
+            setattr(self, name, number)
+
+        integer("n", 1)
+        integer("max_tokens", 1, optional=True)
+        integer("min_tokens", 0)
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise bad("min_tokens", f"must not exceed max_tokens={self.max_tokens}")
-        if not _is_number(self.temperature) or self.temperature < 0 or self.temperature != self.temperature:
-            raise bad("temperature", "must be a number >= 0 (0 means greedy)")
-        if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < -1:
-            raise bad("top_k", "must be -1 or 0 (disabled) or a positive integer")
-        if not _is_number(self.top_p) or not 0.0 < self.top_p <= 1.0:
+        if not _is_finite(self.temperature) or self.temperature < 0:
+            raise bad("temperature", "must be a finite number >= 0 (0 means greedy)")
+        if self.temperature < _GREEDY_BELOW:
+            # Dividing logits by less than this overflows them; the result is the argmax anyway.
+            self.temperature = 0.0
+        integer("top_k", -1)
+        if not _is_finite(self.top_p) or not 0.0 < self.top_p <= 1.0:
             raise bad("top_p", "must be in (0, 1]")
-        if not _is_number(self.min_p) or not 0.0 <= self.min_p <= 1.0:
+        if not _is_finite(self.min_p) or not 0.0 <= self.min_p <= 1.0:
             raise bad("min_p", "must be in [0, 1]")
-        if not _is_number(self.repetition_penalty) or self.repetition_penalty <= 0:
-            raise bad("repetition_penalty", "must be > 0 (1 disables it)")
+        if not _is_finite(self.repetition_penalty) or not 0.01 <= self.repetition_penalty <= 100.0:
+            raise bad("repetition_penalty", "must be in [0.01, 100] (1 disables it)")
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
-            if not _is_number(value) or not -2.0 <= value <= 2.0:
+            if not _is_finite(value) or not -2.0 <= value <= 2.0:
                 raise bad(name, "must be in [-2, 2]")
         if self.logit_bias is not None:
-            if not isinstance(self.logit_bias, dict):
-                raise bad("logit_bias", "must be a dict {token_id: bias}")
-            fixed: dict[int, float] = {}
-            for key, value in self.logit_bias.items():
-                try:
-                    token = int(key)
-                except (TypeError, ValueError):
-                    raise bad("logit_bias", f"key {key!r} is not a token id") from None
-                if token < 0:
-                    raise bad("logit_bias", f"key {token} is negative")
-                if not _is_number(value):
-                    raise bad("logit_bias", f"value for token {token} is not a number")
-                fixed[token] = float(value)
-            self.logit_bias = fixed
+            self.logit_bias = self._checked_logit_bias(bad)
         if not all(isinstance(s, str) and s for s in self.stop):
             raise bad("stop", "must be non-empty strings")
-        if not all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids):
+        tokens = [_as_int(t) for t in self.stop_token_ids]
+        if any(t is None or t < 0 for t in tokens):
             raise bad("stop_token_ids", "must be non-negative integers")
-        if self.seed is not None and not isinstance(self.seed, int):
+        self.stop_token_ids = tokens
+        if self.seed is not None and _as_int(self.seed) is None:
             raise bad("seed", "must be an integer or None")
-        if self.logprobs is not None and (not isinstance(self.logprobs, int) or self.logprobs < 0):
-            raise bad("logprobs", "must be an integer >= 0 or None")
-        if self.prompt_logprobs is not None and (
-            not isinstance(self.prompt_logprobs, int) or self.prompt_logprobs < 0
-        ):
-            raise bad("prompt_logprobs", "must be an integer >= 0 or None")
+        self.seed = _as_int(self.seed) if self.seed is not None else None
+        integer("logprobs", 0, optional=True)
+        integer("prompt_logprobs", 0, optional=True)
+
+    def _checked_logit_bias(self, bad) -> dict[int, float]:
+        if not isinstance(self.logit_bias, dict):
+            raise bad("logit_bias", "must be a dict {token_id: bias}")
+        fixed: dict[int, float] = {}
+        for key, value in self.logit_bias.items():
+            # JSON object keys are strings ("50256"), so decimal strings are token ids too.
+            token = int(key) if isinstance(key, str) and key.isdecimal() else _as_int(key)
+            if token is None:
+                raise bad("logit_bias", f"key {key!r} is not an integer token id")
+            if token < 0:
+                raise bad("logit_bias", f"key {token} is negative")
+            # -inf bans the token; NaN and +inf would poison the whole row's distribution.
+            if not (_is_finite(value) or value == -math.inf):
+                raise bad("logit_bias", f"value for token {token} must be a finite number or -inf")
+            fixed[token] = float(value)
+        return fixed
 
     def verify_for_model(self, vocab_size: int, max_logprobs: int) -> None:
         """Checks that need the model: token ids inside the vocabulary, logprob counts within limits."""
@@ -134,11 +148,20 @@ class SamplingParams:
         """True when the request decodes greedily (temperature 0)."""
         return self.temperature == 0.0
 
-    @property
-    def all_stop_token_ids(self) -> set[int]:
-        """Stop token ids set by the user (EOS is added by the engine unless ``ignore_eos``)."""
-        return set(self.stop_token_ids or ())
+
+# Temperatures below this are treated as greedy (as vLLM does): logits / 1e-320 overflow to inf.
+_GREEDY_BELOW = 1e-5
 
 
-def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
+def _is_finite(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _as_int(value: Any) -> int | None:
+    """``value`` as a Python int if it is an integer (numpy integers too), else None; bools are not."""
+    if isinstance(value, bool):
+        return None
+    try:
+        return operator.index(value)
+    except TypeError:
+        return None

@@ -104,7 +104,8 @@ class Driver:
     def check(self) -> None:
         live = [r for r in self.all if not r.is_finished and r.status is not RequestStatus.WAITING_FOR_FORK]
         self.bm.check_invariants([r.block_ids for r in live])
-        assert sum(1 + len(r.followers) for r in self.sched.running) <= self.sched.max_num_seqs
+        assert self.sched.num_seats_used <= self.sched.max_num_seqs
+        assert all(r.fork_seats <= len(r.followers) for r in self.sched.running)
 
     def drain(self, max_steps: int = 3000) -> None:
         for _ in range(max_steps):
@@ -235,3 +236,21 @@ def test_invariants_under_random_add_step_abort(num_blocks, block_size, budget, 
         else:  # aborted or failed: whatever it had was correct so far
             assert out == want[: len(out)]
     assert d.bm.num_free_blocks == d.bm.num_blocks
+
+
+def test_group_larger_than_max_num_seqs_runs_in_waves_and_never_starves_the_queue():
+    d = Driver(num_blocks=64, block_size=4, budget=64, max_seqs=3)
+    prompt = list(range(1, 10))
+    group = d.add("g", prompt, 4, n=7)
+    (behind,) = d.add("b", [5, 5], 3)
+    out, result = d.step()
+    assert out.scheduled == [(group[0], 9)]
+    # The leader reserved the two seats left: two followers fork, the other four queue on their own.
+    assert sum(s.status is RequestStatus.RUNNING for s in group) == 3
+    assert len(d.sched.waiting) == 5 and d.sched.waiting[-1] is behind
+    d.drain()
+    for s in group:
+        assert s.output_token_ids == expected_output(prompt, s.sample_index, 4, eos=False)
+    assert behind.output_token_ids == expected_output([5, 5], 0, 3, eos=False)
+    # Later waves reuse the two cached full blocks of the prompt: only the last block is recomputed.
+    assert d.bm.stats.prompt_tokens_computed == 9 + 4 * 1 + len(behind.prompt_token_ids)

@@ -83,9 +83,11 @@ class BlockManager:
         """Cached block ids for the longest computed prefix of ``request``.
 
         Never covers the whole sequence: the last token is always recomputed, because the step that
-        computes it is the one that produces the logits to sample from.
+        computes it is the one that produces the logits to sample from.  Nothing is served to a
+        request that still needs prompt logprobs: they come from the prompt's logits, which the
+        cache does not keep (computing them costs the same forward as computing the prompt).
         """
-        if not self.enable_prefix_caching:
+        if not self.enable_prefix_caching or _needs_prompt_logits(request):
             return []
         max_blocks = (request.num_tokens - 1) // self.block_size
         hashes = self._block_hashes(request, max_blocks)
@@ -231,3 +233,7 @@ class BlockManager:
         assert self.num_free_blocks + self.num_used_blocks == self.num_blocks
         for block_hash, block_id in self._cached.items():
             assert self.blocks[block_id].block_hash == block_hash
+
+
+def _needs_prompt_logits(request: Request) -> bool:
+    return request.prompt_logprobs is not None and len(request.prompt_logprobs) < request.num_prompt_tokens

@@ -12,8 +12,12 @@ A running request whose newest token is still on the device (overlap scheduling)
 usual: that token is its next input, patched in on the device.  A preempted one waits until the
 token is read back, since a prefill needs its value.
 
-With ``n > 1`` only sample 0 (the leader) is queued; it reserves seats for its followers, which join
-``running`` when the engine forks them after the leader's prompt is computed.
+With ``n > 1`` only sample 0 (the leader) is queued; it reserves a seat for each follower that fits
+in ``max_num_seqs`` now.  Those join ``running`` when the leader's prompt is computed (they fork its
+blocks); the rest are queued on their own and run in later waves from the cached prompt blocks.
+
+A request whose tokens need more blocks than the whole pool fails with a reason instead of
+preempting itself forever.
 """
 
 from __future__ import annotations
@@ -84,7 +88,7 @@ class Scheduler:
     @property
     def num_seats_used(self) -> int:
         """Running sequences plus seats reserved for followers that have not forked yet."""
-        return sum(1 + len(r.followers) for r in self.running)
+        return sum(1 + r.fork_seats for r in self.running)
 
     def has_work(self) -> bool:
         """True while any request is waiting or running."""
@@ -97,6 +101,17 @@ class Scheduler:
         request.num_preemptions += 1
         self.stats.preemptions += 1
         self.requeue(request)
+
+    def _fail_never_fits(self, request: Request, num_tokens: int, out: SchedulerOutput) -> None:
+        """Fails ``request``: ``num_tokens`` of it need more blocks than the whole pool holds, so no
+        preemption can make room and retrying would loop forever."""
+        bm = self.block_manager
+        request.error = (
+            f"request needs {bm.blocks_needed(num_tokens)} KV blocks of {bm.block_size} tokens for "
+            f"{num_tokens} tokens but the cache has only {bm.num_blocks}; raise num_blocks/kv_cache_memory "
+            "or shorten the request"
+        )
+        out.failed.append(request)
 
     def schedule(self) -> SchedulerOutput:
         """Builds the next step's batch within the token budget and the block pool."""
@@ -111,6 +126,13 @@ class Scheduler:
                 i += 1  # its last token is in flight and ends it: nothing left to compute
                 continue
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if bm.blocks_needed(request.num_computed_tokens + num_new) > bm.num_blocks:
+                if request.pending:
+                    i += 1  # decide once its in-flight token is known: it may stop the request
+                    continue
+                self._fail_never_fits(request, request.num_computed_tokens + num_new, out)
+                self.running.pop(i)
+                continue
             while not bm.allocate(request, num_new):
                 victim = self.running.pop()  # newest first
                 self._preempt(victim)
@@ -125,41 +147,51 @@ class Scheduler:
             break
 
         if not out.preempted:
-            seats = self.num_seats_used
-            while self.waiting and budget > 0:
-                request = self.waiting[0]
-                if request.pending:
-                    break  # preempted with a token still on the device: a prefill needs its value
-                need_seats = 1 + len(request.followers)
-                if seats + need_seats > self.max_num_seqs:
-                    break
-                cached = bm.match_prefix(request)
-                num_cached_tokens = len(cached) * bm.block_size
-                num_new = min(request.num_tokens - num_cached_tokens, budget)
-                if not bm.allocate(request, num_new, cached):
-                    if not self.running and not out.scheduled:
-                        # The pool is as empty as it will ever be: this request can never fit.
-                        self.waiting.popleft()
-                        need = bm.blocks_needed(request.num_tokens)
-                        request.error = (
-                            f"request needs {need} KV blocks of {bm.block_size} tokens but the cache has "
-                            f"only {bm.num_blocks}; raise num_blocks/kv_cache_memory or shorten the request"
-                        )
-                        out.failed.append(request)
-                        continue
-                    break
-                self.waiting.popleft()
-                if request.num_preemptions == 0:
-                    request.num_cached_tokens = num_cached_tokens
-                self.stats.prefix_cache_queries += request.num_tokens
-                self.stats.prefix_cache_hits += num_cached_tokens
-                request.status = RequestStatus.RUNNING
-                self.running.append(request)
-                out.scheduled.append((request, num_new))
-                budget -= num_new
-                seats += need_seats
-
+            budget = self._admit(out, budget)
         self.stats.prompt_tokens_computed += sum(
             max(0, min(r.num_prompt_tokens - r.num_computed_tokens, n)) for r, n in out.scheduled
         )
         return out
+
+    def _admit(self, out: SchedulerOutput, budget: int) -> int:
+        """Admits waiting requests, in order, while budget, seats and blocks last; returns the budget left.
+
+        An n>1 leader reserves a seat for each follower that fits now; the others are queued on
+        their own when the prompt is computed (a later wave that reuses the cached prompt blocks)."""
+        bm = self.block_manager
+        seats = self.num_seats_used
+        while self.waiting and budget > 0 and seats < self.max_num_seqs:
+            request = self.waiting[0]
+            if request.pending:
+                break  # preempted with a token still on the device: a prefill needs its value
+            cached = bm.match_prefix(request)
+            num_cached_tokens = len(cached) * bm.block_size
+            num_new = min(request.num_tokens - num_cached_tokens, budget)
+            if bm.blocks_needed(num_cached_tokens + num_new) > bm.num_blocks:
+                self._fail_never_fits(request, num_cached_tokens + num_new, out)
+                self.waiting.popleft()
+                continue
+            if not bm.allocate(request, num_new, cached):
+                if not self.running and not out.scheduled:
+                    # The pool is as empty as it will ever be: this request can never fit.
+                    self.waiting.popleft()
+                    need = bm.blocks_needed(request.num_tokens)
+                    request.error = (
+                        f"request needs {need} KV blocks of {bm.block_size} tokens but the cache has "
+                        f"only {bm.num_blocks}; raise num_blocks/kv_cache_memory or shorten the request"
+                    )
+                    out.failed.append(request)
+                    continue
+                break
+            self.waiting.popleft()
+            if request.num_preemptions == 0:
+                request.num_cached_tokens = num_cached_tokens
+            self.stats.prefix_cache_queries += request.num_tokens
+            self.stats.prefix_cache_hits += num_cached_tokens
+            request.status = RequestStatus.RUNNING
+            request.fork_seats = min(len(request.followers), self.max_num_seqs - seats - 1)
+            self.running.append(request)
+            out.scheduled.append((request, num_new))
+            budget -= num_new
+            seats += 1 + request.fork_seats
+        return budget

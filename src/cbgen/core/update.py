@@ -156,13 +156,16 @@ def fork_follower(scheduler: Scheduler, follower: Request) -> tuple[int, int] | 
     """Starts an n>1 sample off its leader's computed prompt; returns the block copy it needs.
 
     Full prompt blocks are shared; the partial last one is copied.  When that is not possible (no
-    free block for the copy, or the leader lost its prompt's K/V to a preemption) the sample is
-    queued on its own instead and recomputes the prompt, usually from the prefix cache."""
+    seat reserved for it, no free block for the copy, or the leader lost its prompt's K/V to a
+    preemption) the sample is queued on its own instead and recomputes the prompt, usually from the
+    prefix cache."""
     leader = follower.leader
     assert leader is not None, follower.request_id
     leader.followers.remove(follower)
     follower.leader = None
-    if leader.num_computed_tokens >= leader.num_prompt_tokens:
+    seated = leader.fork_seats > 0
+    leader.fork_seats -= seated
+    if seated and leader.num_computed_tokens >= leader.num_prompt_tokens:
         try:
             # The prompt only: with overlap scheduling the leader may already have computed its
             # first sampled token, which is not the follower's.
@@ -191,7 +194,9 @@ def finish(
     r.error = error
     ended = [r]
     if was_forking:
-        r.leader.followers.remove(r)  # never forked: it holds no blocks
+        leader = r.leader
+        leader.followers.remove(r)  # never forked: it holds no blocks
+        leader.fork_seats = min(leader.fork_seats, len(leader.followers))  # nor a seat any more
         r.leader = None
     else:
         if was_waiting and r in scheduler.waiting:
