@@ -22,9 +22,10 @@ import torch
 from cbgen.config import EngineConfig
 from cbgen.core.block_manager import BlockManager
 from cbgen.core.scheduler import Scheduler, SchedulerOutput
+from cbgen.model.backends import select_backend
 from cbgen.model.input_batch import InputBuilder, ModelInput
 from cbgen.model.kv_cache import KVCache, KVGeometry, choose_num_blocks
-from cbgen.model.runner import ModelRunner, choose_backend
+from cbgen.model.runner import ModelRunner
 from cbgen.model.weights import WeightWatcher
 from cbgen.output_processor import OutputProcessor
 from cbgen.outputs import RequestOutput
@@ -34,11 +35,6 @@ from cbgen.sample.sampler import Sampler, prompt_logprobs
 from cbgen.sampling_params import SamplingParams
 
 logger = logging.getLogger("cbgen")
-
-# Prefill chunks up to this many tokens attend through the C decode kernel, one row per query token,
-# instead of one SDPA call per chunk (~30 us of fixed cost each): on the overhead workload's 8-64
-# token prompts that call count was most of a prefill step.  Longer chunks keep SDPA's matmuls.
-ROW_PREFILL_MAX = 64
 
 
 @dataclass
@@ -159,7 +155,7 @@ class Engine:
             model,
             self.kv_cache,
             self.device,
-            backend=choose_backend(
+            backend=select_backend(
                 config.attention_backend,
                 self.device,
                 self.dtype,
@@ -176,7 +172,7 @@ class Engine:
         )
         self.runner.warmup()
         # Short prefill chunks as decode-kernel rows: measured on the C kernels only (see input_batch).
-        row_prefill = ROW_PREFILL_MAX if self.runner.backend == "cpu" else 0
+        row_prefill = self.runner.attn_backend.row_prefill_max
         self.input_builder = InputBuilder(config.block_size, self.device, row_prefill_max=row_prefill)
         user_names = {p.name for p in logits_processors}
         builtins = [p for p in (AllowedTokensProcessor(), BadWordsProcessor()) if p.name not in user_names]
