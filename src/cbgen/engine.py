@@ -31,9 +31,10 @@ from cbgen.core.scheduler import Scheduler, SchedulerOutput
 from cbgen.core.stats import EngineStats, StepStats
 from cbgen.core.update import SampledTokens
 from cbgen.inputs import as_token_ids
+from cbgen.model.backends import select_backend
 from cbgen.model.input_batch import InputBuilder, ModelInput
 from cbgen.model.kv_cache import KVCache, KVGeometry, choose_num_blocks
-from cbgen.model.runner import ModelRunner, choose_backend
+from cbgen.model.runner import ModelRunner
 from cbgen.model.weights import WeightWatcher
 from cbgen.output_processor import OutputProcessor
 from cbgen.outputs import RequestOutput
@@ -46,11 +47,6 @@ from cbgen.sampling_params import SamplingParams
 logger = logging.getLogger("cbgen")
 
 __all__ = ["Engine", "EngineStats", "InFlight", "LaunchedStep", "StepPlan", "StepStats"]
-
-# Prefill chunks up to this many tokens attend through the C decode kernel, one row per query token,
-# instead of one SDPA call per chunk (~30 us of fixed cost each): on the overhead workload's 8-64
-# token prompts that call count was most of a prefill step.  Longer chunks keep SDPA's matmuls.
-ROW_PREFILL_MAX = 64
 
 
 @dataclass
@@ -119,7 +115,7 @@ class Engine:
             model,
             self.kv_cache,
             self.device,
-            backend=choose_backend(
+            backend=select_backend(
                 config.attention_backend,
                 self.device,
                 self.dtype,
@@ -136,7 +132,7 @@ class Engine:
         )
         self.runner.warmup()
         # Short prefill chunks as decode-kernel rows: measured on the C kernels only (see input_batch).
-        row_prefill = ROW_PREFILL_MAX if self.runner.backend == "cpu" else 0
+        row_prefill = self.runner.attn_backend.row_prefill_max
         self.input_builder = InputBuilder(config.block_size, self.device, row_prefill_max=row_prefill)
         user_names = {p.name for p in logits_processors}
         builtins = [p for p in (AllowedTokensProcessor(), BadWordsProcessor()) if p.name not in user_names]

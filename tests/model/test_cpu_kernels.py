@@ -8,7 +8,7 @@ from paged_cases import LENS, NUM_BLOCKS, check_decode, make_case
 
 from cbgen import LLM, SamplingParams
 from cbgen.model import cpu_kernels, paged_ops
-from cbgen.model.runner import choose_backend
+from cbgen.model.backends import choose_backend
 
 pytestmark = pytest.mark.skipif(
     not cpu_kernels.available(), reason=f"C kernels unavailable: {cpu_kernels.unavailable_reason()}"

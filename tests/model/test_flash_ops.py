@@ -18,7 +18,7 @@ import torch
 from paged_cases import LENS, assert_close, check_decode, make_case
 
 from cbgen.model import flash_ops, paged_ops
-from cbgen.model.runner import choose_backend
+from cbgen.model.backends import choose_backend
 
 
 class FakeFlash:

@@ -24,6 +24,7 @@ import shutil
 import subprocess
 import tempfile
 import threading
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -43,6 +44,7 @@ _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
 _error: str | None = None
 _amx: bool | None = None
+_layout: DecoderLayout | None = None
 
 
 def _cpu_signature() -> str:
@@ -114,6 +116,8 @@ def _build() -> ctypes.CDLL:
     lib.cbgen_amx_init.argtypes = []
     lib.cbgen_decoder_step.argtypes = [ptr, ptr, i32, ptr, f32, *[ptr] * 10, i64, ptr, ptr, i64, i64]
     lib.cbgen_decoder_step.argtypes += [i32, i32, i32, i64, i32]
+    lib.cbgen_decoder_layout.argtypes = [ctypes.POINTER(i64), ctypes.POINTER(i64)]
+    lib.cbgen_decoder_layout.restype = ctypes.c_char_p
     for fn in (
         lib.cbgen_add_rmsnorm,
         lib.cbgen_rope,
@@ -129,11 +133,13 @@ def _build() -> ctypes.CDLL:
 
 def available() -> bool:
     """True when the kernels are built (building them on the first call) and loadable here."""
-    global _lib, _error
+    global _lib, _error, _layout
     with _lock:
         if _lib is None and _error is None:
             try:
-                _lib = _build()
+                lib = _build()
+                _layout = _read_layout(lib)
+                _lib = lib
             except Exception as exc:  # any failure means "use the torch path", reported once
                 _error = str(exc)
                 log.warning("cbgen: CPU paged-attention kernels unavailable (%s); using the torch path", exc)
@@ -432,9 +438,57 @@ def amx_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None)
     return out
 
 
-# Layout of the layer records of :func:`decoder_step` (the enums of ``csrc/cpu_decoder.c``).
-DECODER_WORDS = 16  # qkv w/b, o w/b, gate_up w/b, down w/b, post norm, next norm, k/v cache, window
-DECODER_FLOATS = 4  # post-attention norm eps, next norm eps, attention scale
+@dataclass(frozen=True)
+class DecoderLayout:
+    """The layer records of :func:`decoder_step`: ``words`` int64 and ``floats`` float32 entries a
+    layer, whose first entries are the named fields in order.
+
+    ``csrc/cpu_decoder.c`` defines the layout (one field list that makes its enums) and the library
+    reports it when it loads (:func:`decoder_layout`): the C source stays the one place it is written
+    down, and the build needs no generated header.  Python names the fields it fills, and
+    :meth:`records` refuses any other set of names, so a field added, dropped or moved in C fails at
+    the first record built instead of being read from the wrong slot."""
+
+    words: int
+    floats: int
+    word_fields: tuple[str, ...]
+    float_fields: tuple[str, ...]
+
+    def records(
+        self, words: list[dict[str, int]], floats: list[dict[str, float]]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``words [L, self.words]`` and ``floats [L, self.floats]`` from each layer's field values by
+        name (every field exactly once; unused entries zero)."""
+        return (
+            _records(words, self.word_fields, self.words, torch.int64),
+            _records(floats, self.float_fields, self.floats, torch.float32),
+        )
+
+
+def _records(rows: list[dict], fields: tuple[str, ...], width: int, dtype: torch.dtype) -> torch.Tensor:
+    table = []
+    for row in rows:
+        if row.keys() != set(fields):
+            raise ValueError(f"decoder record fields {sorted(row)} are not the library's {list(fields)}")
+        table.append([row[name] for name in fields] + [0] * (width - len(fields)))
+    return torch.tensor(table, dtype=dtype).reshape(len(rows), width)
+
+
+def _read_layout(lib: ctypes.CDLL) -> DecoderLayout:
+    words, floats = ctypes.c_int64(), ctypes.c_int64()
+    text = lib.cbgen_decoder_layout(ctypes.byref(words), ctypes.byref(floats)).decode()
+    word_part, float_part = text.split(";")
+    layout = DecoderLayout(words.value, floats.value, tuple(word_part.split()), tuple(float_part.split()))
+    if len(layout.word_fields) > layout.words or len(layout.float_fields) > layout.floats:
+        raise RuntimeError(f"cbgen_decoder_layout reports more fields than record entries: {layout}")
+    return layout
+
+
+def decoder_layout() -> DecoderLayout:
+    """The layer-record layout of :func:`decoder_step` (the kernels must be :func:`available`)."""
+    if _layout is None:
+        raise RuntimeError("the CPU kernels are not loaded")
+    return _layout
 
 
 def decoder_step(
@@ -455,7 +509,7 @@ def decoder_step(
 ) -> torch.Tensor:
     """Runs every decoder layer of a bf16 decode step in C (``csrc/cpu_decoder.c``) over the
     residual stream ``hidden [T, E]`` (updated in place) and returns the final norm's output
-    ``[T, E]``.  ``words [L, DECODER_WORDS]`` / ``floats [L, DECODER_FLOATS]`` describe the layers."""
+    ``[T, E]``.  ``words`` / ``floats`` describe the layers (:meth:`DecoderLayout.records`)."""
     tokens, width = hidden.shape
     qd, kd = heads * head_dim, kv_heads * head_dim
     x = torch.empty_like(hidden)

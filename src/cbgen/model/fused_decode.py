@@ -12,8 +12,8 @@ it only runs where it computes exactly what the model would: the classes are on 
 known Llama-family implementations (Llama, Mistral, Qwen2, Qwen3), every projection is a plain
 ``nn.Linear`` (a PEFT-wrapped layer is not), and no module has hooks.  Anything else takes the
 transformers path.  Steps with prefill chunks use it too (the projections are most of a prefill,
-and pre-packed weights make them faster); their attention goes through the same function as the
-transformers path.
+and pre-packed weights make them faster).  Attention goes through the engine's C backend
+(:class:`cbgen.model.backends.CpuBackend`), with the transformers path's semantics.
 """
 
 from __future__ import annotations
@@ -24,8 +24,9 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from cbgen.model import attention, cpu_kernels
+from cbgen.model import cpu_kernels
 from cbgen.model.attention import AttentionMetadata
+from cbgen.model.backends import CpuBackend
 
 _FAMILIES = ("Llama", "Mistral", "Qwen2", "Qwen3")
 _LAYER = {f"{f}DecoderLayer" for f in _FAMILIES}
@@ -107,63 +108,6 @@ def _window(attn: nn.Module) -> int:
     return int(getattr(attn, "sliding_window", None) or 0)
 
 
-def _mixed_attention(
-    attn: nn.Module, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, d: int, meta: AttentionMetadata
-) -> torch.Tensor:
-    """Attention ``[T, H, D]`` for a step with prefill chunks, with the transformers path's semantics:
-    the KV store, decode rows and short chunks (as decode rows) straight through the C kernels, on
-    the projections' views (no transposed copies); longer chunks through the same SDPA calls
-    (:func:`cbgen.model.attention.attend_prefill_chunks`)."""
-    tokens = q.shape[0]
-    k_cache, v_cache = meta.kv_caches[attn.layer_idx]
-    cpu_kernels.store_direct(k, v, k_cache, v_cache, meta.slot_mapping)
-    scale, window = float(attn.scaling), _window(attn)
-    q3 = q.view(tokens, -1, d)
-    out = torch.empty(q3.shape, dtype=q.dtype)
-    nd = meta.num_decode
-    if nd:
-        cpu_kernels.decode_direct(
-            q3[:nd],
-            k_cache,
-            v_cache,
-            meta.decode_block_table,
-            meta.decode_seq_lens,
-            scale,
-            window,
-            0.0,
-            out=out[:nd],
-        )
-    if meta.row_prefill_idx is not None:
-        idx = meta.row_prefill_idx
-        out[idx] = cpu_kernels.decode_direct(
-            q3.index_select(0, idx),
-            k_cache,
-            v_cache,
-            meta.row_prefill_table,
-            meta.row_prefill_lens,
-            scale,
-            window,
-            0.0,
-        )
-
-    def heads_first(t: torch.Tensor) -> torch.Tensor:
-        return t.view(tokens, -1, d).transpose(0, 1)[None]
-
-    attention.attend_prefill_chunks(
-        meta,
-        heads_first(q),
-        heads_first(k),
-        heads_first(v),
-        k_cache,
-        v_cache,
-        scale,
-        window or None,
-        None,
-        out,
-    )
-    return out
-
-
 def _any_hooks(model: nn.Module) -> bool:
     # Hooks see (and may change) module inputs and outputs, which the fused path never produces.
     glob = nn.modules.module
@@ -226,6 +170,9 @@ _PACK_MIN_ELEMS = 1 << 16
 # rows; inside an engine step, where the weights arrive cold, the AMX kernel still ran prefill steps
 # of 2,048 tokens ~20% faster (530-590 against 690 ms a step), so the default token budget stays on it.
 _AMX_MAX_ROWS = 4096
+# (weight, bias) fields of each projection group (q/k/v, o, gate/up, down) in the one-call decoder
+# step's layer records (csrc/cpu_decoder.c).
+_C_PROJ_FIELDS = (("W_QKV", "B_QKV"), ("W_O", "B_O"), ("W_GATE_UP", "B_GATE_UP"), ("W_DOWN", "B_DOWN"))
 
 
 def _stamp(modules: tuple[nn.Linear, ...]) -> list[int]:
@@ -421,8 +368,10 @@ class FusedDecoder:
     the parameters' identities: cheap enough for every step.
     """
 
-    def __init__(self, model: nn.Module, prepack: bool = True) -> None:
+    def __init__(self, model: nn.Module, prepack: bool = True, backend: CpuBackend | None = None) -> None:
         self.model = model
+        # Attention goes through the engine's C backend, as on the transformers path.
+        self.backend = backend if backend is not None else CpuBackend()
         self._snap: tuple | None = None
         self._params: list[nn.Parameter] = []
         self._rope: tuple | None = None  # (key, cos table, sin table), see _rotary
@@ -544,7 +493,8 @@ class FusedDecoder:
     @staticmethod
     def _build_c_layers(plan: _Plan, linear: PackedLinears, meta: AttentionMetadata) -> tuple | None:
         """(words, floats, (heads, kv heads, head_dim, intermediate, block size)) when every layer's
-        projections are AMX-packed, bf16, with uniform shapes and no q/k norms; else None."""
+        projections are AMX-packed, bf16, with uniform shapes and no q/k norms; else None.  Records
+        are filled by field name, in the layout the library reports (cpu_kernels.decoder_layout)."""
         if plan.dtype != torch.bfloat16 or not cpu_kernels.amx_available():
             return None
         first = plan.layers[0]
@@ -552,9 +502,8 @@ class FusedDecoder:
         heads, kv_heads = first.qkv[0].weight.shape[0] // d, first.qkv[1].weight.shape[0] // d
         inter = first.gate_up[0].weight.shape[0]
         block_size = meta.kv_caches[0][0].shape[1]
-        words = torch.zeros(len(plan.layers), cpu_kernels.DECODER_WORDS, dtype=torch.int64)
-        floats = torch.zeros(len(plan.layers), cpu_kernels.DECODER_FLOATS, dtype=torch.float32)
-        for i, (layer, next_norm) in enumerate(zip(plan.layers, plan.next_norms)):
+        words, floats = [], []
+        for layer, next_norm in zip(plan.layers, plan.next_norms):
             k_cache, v_cache = meta.kv_caches[layer.layer_idx]
             q, k, v = layer.qkv
             if (
@@ -568,30 +517,33 @@ class FusedDecoder:
                 or any(w.dtype != torch.bfloat16 for w in (layer.post_norm[0], next_norm[0]))
             ):
                 return None
-            row = []
-            for modules in (layer.qkv, (layer.o_proj,), layer.gate_up, (layer.down_proj,)):
+            row = {}
+            groups = (layer.qkv, (layer.o_proj,), layer.gate_up, (layer.down_proj,))
+            for (weight_field, bias_field), modules in zip(_C_PROJ_FIELDS, groups):
                 entry = linear.entry(modules, checked=False)
                 if entry is None or entry[1] is None or entry[1].dim() != 6:
                     return None
-                row += [entry[1].data_ptr(), 0 if entry[3] is None else entry[3].data_ptr()]
-            row += [layer.post_norm[0].data_ptr(), next_norm[0].data_ptr()]
-            row += [k_cache.data_ptr(), v_cache.data_ptr(), layer.window]
-            words[i, : len(row)] = torch.tensor(row, dtype=torch.int64)
-            floats[i, :3] = torch.tensor([layer.post_norm[1], next_norm[1], layer.scaling])
-        return words, floats, (heads, kv_heads, d, inter, block_size)
+                row[weight_field] = entry[1].data_ptr()
+                row[bias_field] = 0 if entry[3] is None else entry[3].data_ptr()
+            row.update(POST_NORM=layer.post_norm[0].data_ptr(), NEXT_NORM=next_norm[0].data_ptr())
+            row.update(K_CACHE=k_cache.data_ptr(), V_CACHE=v_cache.data_ptr(), WINDOW=layer.window)
+            words.append(row)
+            floats.append({"POST_EPS": layer.post_norm[1], "NEXT_EPS": next_norm[1], "SCALE": layer.scaling})
+        records = cpu_kernels.decoder_layout().records(words, floats)
+        return (*records, (heads, kv_heads, d, inter, block_size))
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor, meta: AttentionMetadata
     ) -> torch.Tensor | None:
         """Logits ``[R, V]`` for ``rows`` of the packed batch, or ``None`` (use the model instead).
 
-        Decode-only steps call the C kernels directly; steps with prefill chunks run attention through
-        :func:`cbgen.model.attention.paged_attention_forward`, as the transformers path does.
+        Decode-only steps call the backend's C kernels directly; steps with prefill chunks attend
+        through :meth:`cbgen.model.backends.CpuBackend.attend_projections`.
         """
         plan = self._current_plan()
         if plan is None or any(cache.dtype != plan.dtype for cache, _ in meta.kv_caches):
             return None
-        linear = self._linear
+        linear, backend = self._linear, self.backend
         hidden = plan.embed(input_ids)
         cos, sin = self._rotary(plan.rotary, hidden, positions)
         tokens = hidden.shape[0]
@@ -620,11 +572,14 @@ class FusedDecoder:
                 add_rmsnorm(kh, None, *layer.qk_norms[1], kh)
             cpu_kernels.rope_(q, k, cos, sin, d)
             if mixed:
-                out = _mixed_attention(layer.attn, q, k, v, d, meta)
+                attn = layer.attn
+                out = backend.attend_projections(
+                    meta, layer.layer_idx, q, k, v, d, float(attn.scaling), _window(attn)
+                )
             else:
                 k_cache, v_cache = meta.kv_caches[layer.layer_idx]
-                cpu_kernels.store_direct(k, v, k_cache, v_cache, slots)
-                out = cpu_kernels.decode_direct(
+                backend.store_direct(k, v, k_cache, v_cache, slots)
+                out = backend.decode_direct(
                     q.view(tokens, -1, d),  # a view of the q/k/v GEMM's output: rows are strided
                     k_cache,
                     v_cache,

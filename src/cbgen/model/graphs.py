@@ -11,8 +11,9 @@ Rules that keep this from giving silently wrong answers (transformers#45323):
 * :class:`GraphKey` holds every Python value baked into a capture: batch bucket, block-table width
   (the torch backend gathers a fixed ``width * block_size`` keys), block size, dtype and the
   attention backend.  A step only replays a graph whose key equals its own.
-* Padding rows never write the cache: their slot is ``-1`` for the Triton store kernel, or a
-  reserved scratch block for the torch store (no data-dependent filtering inside a graph).
+* Padding rows never write the cache: their slot is ``-1`` for the kernel backends' stores, or a
+  reserved scratch block for the torch store (no data-dependent filtering inside a graph); see
+  :meth:`cbgen.model.attention.AttentionBackend.pad_slot`.
 * Padding rows are never sampled: only the first ``B`` rows of the logits are returned.
 """
 
@@ -24,8 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from cbgen.model import paged_ops
-from cbgen.model.attention import AttentionMetadata
+from cbgen.model.attention import AttentionBackend, AttentionMetadata
 from cbgen.model.input_batch import ModelInput
 
 logger = logging.getLogger("cbgen")
@@ -63,7 +63,7 @@ class GraphKey:
     width: int
     block_size: int
     dtype: torch.dtype
-    backend: str
+    backend: str  # the attention backend's name
 
 
 class StaticDecodeRunner:
@@ -79,9 +79,7 @@ class StaticDecodeRunner:
         device: torch.device,
         dtype: torch.dtype,
         scratch_slot: int,
-        decode_fn=None,
-        store_fn=None,
-        backend: str = "torch",
+        backend: AttentionBackend,
         use_cuda_graphs: bool = False,
     ) -> None:
         self.forward = forward
@@ -92,15 +90,15 @@ class StaticDecodeRunner:
         self.max_width = max_width
         self.device = device
         self.dtype = dtype
-        self.decode_fn = decode_fn
-        self.store_fn = store_fn
-        self.backend = backend
+        # A capture cannot contain a host sync: the torch reference's variant stores every slot,
+        # padding rows included (they write to the scratch block, see pad_slot).
+        self.backend = backend.fixed_shape()
         self.use_cuda_graphs = use_cuda_graphs and device.type == "cuda"
-        # The Triton store skips slot -1; the torch store must write somewhere harmless instead.
-        self.pad_slot = -1 if store_fn is not None else scratch_slot
+        # Kernel stores skip slot -1; the torch store must write somewhere harmless instead.
+        self.pad_slot = backend.pad_slot(scratch_slot)
         # With a paged kernel the block-table width is not baked into the graph (the kernel reads
         # seq_lens), so one width serves every step and the graph count stays at one per bucket.
-        self.fixed_width = decode_fn is not None
+        self.fixed_width = backend.paged_decode
         self.graphs: dict[GraphKey, tuple[object, torch.Tensor]] = {}
         self.pool = None
         self.replays = 0
@@ -142,7 +140,9 @@ class StaticDecodeRunner:
     def key_for(self, num_rows: int, table_width: int) -> GraphKey:
         """The graph key of a step with ``num_rows`` rows and a ``table_width``-block table."""
         width = self.max_width if self.fixed_width else width_bucket(table_width, self.max_width)
-        return GraphKey(bucket_for(num_rows, self.buckets), width, self.block_size, self.dtype, self.backend)
+        return GraphKey(
+            bucket_for(num_rows, self.buckets), width, self.block_size, self.dtype, self.backend.name
+        )
 
     def _meta(self, key: GraphKey) -> AttentionMetadata:
         n = key.batch
@@ -154,10 +154,7 @@ class StaticDecodeRunner:
             decode_seq_lens=self.seq_lens[:n],
             decode_max_len=key.width * self.block_size,
             prefills=[],
-            decode_fn=self.decode_fn,
-            # Padding rows of the torch store write to the scratch block, so no slot is -1 and the
-            # filtering (a host sync that a capture cannot contain) is skipped.
-            store_fn=self.store_fn or paged_ops.store_kv_all_slots,
+            backend=self.backend,
         )
 
     def _run_forward(self, key: GraphKey) -> torch.Tensor:
@@ -224,7 +221,7 @@ class StaticDecodeRunner:
         width = self.max_width if self.fixed_width else width_bucket(1, self.max_width)
         # A valid state for warm-up: every row attends to one token in the scratch block.
         for n in sorted(self.buckets, reverse=True):
-            key = GraphKey(n, width, self.block_size, self.dtype, self.backend)
+            key = GraphKey(n, width, self.block_size, self.dtype, self.backend.name)
             if key in self.graphs:
                 continue
             self.slots[:n].fill_(self.pad_slot)

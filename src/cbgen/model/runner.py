@@ -10,12 +10,14 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 
 from cbgen.model import attention
 from cbgen.model import fused_decode as fused_decode_mod
+from cbgen.model.attention import AttentionBackend
+from cbgen.model.backends import CpuBackend, TorchBackend
 from cbgen.model.fused_decode import FusedDecoder
 from cbgen.model.graphs import StaticDecodeRunner
 from cbgen.model.input_batch import ModelInput
@@ -35,71 +37,6 @@ def _attention_configs(model: torch.nn.Module) -> list:
         if cfg is not None and hasattr(cfg, "_attn_implementation_internal"):
             configs[id(cfg)] = cfg
     return list(configs.values())
-
-
-def choose_backend(
-    requested: str,
-    device: torch.device,
-    dtype: torch.dtype = torch.float32,
-    *,
-    block_size: int | None = None,
-    head_dim: int | None = None,
-) -> str:
-    """Resolves ``attention_backend``.
-
-    ``auto`` picks, on CUDA, ``flash_attn`` when flash-attn is installed and suits the engine (fp16/bf16,
-    sm80+, ``block_size`` a multiple of 256, ``head_dim`` <= 256, a version whose decode CUDA graphs
-    capture), else ``triton`` when Triton is installed; on CPU ``cpu`` (the C kernels of
-    :mod:`cbgen.model.cpu_kernels`) when they build here and handle ``dtype``; else ``torch``.
-    ``auto`` only considers flash-attn when ``block_size`` and ``head_dim`` are given.  An explicit
-    ``flash_attn`` that cannot work raises ``ValueError`` with the reason (unknown sizes are checked
-    again by :class:`ModelRunner` against the KV cache).
-    """
-    if requested == "auto" and device.type == "cuda" and block_size is not None and head_dim is not None:
-        from cbgen.model import flash_ops
-
-        if flash_ops.HAS_FLASH_ATTN:
-            reason = flash_ops.unavailable_reason(device, dtype, block_size, head_dim)
-            if reason is None and not flash_ops.graph_capturable():
-                reason = "this flash-attn version cannot be captured in CUDA graphs (>= 2.8.4)"
-            if reason is None:
-                return "flash_attn"
-            flash_ops.log.info("cbgen: flash-attn installed but not used: %s", reason)
-    if requested == "flash_attn":
-        from cbgen.model import flash_ops
-
-        reason = flash_ops.unavailable_reason(device, dtype, block_size, head_dim)
-        if reason is not None:
-            raise ValueError(f"attention_backend='flash_attn' cannot be used: {reason}")
-        return "flash_attn"
-    if requested in ("auto", "triton"):
-        from cbgen.model import triton_ops
-
-        if triton_ops.HAS_TRITON and (
-            device.type == "cuda" or (requested == "triton" and triton_ops.available(device))
-        ):
-            return "triton"
-        if requested == "triton":
-            raise ValueError(
-                "attention_backend='triton' needs triton and a CUDA device (or TRITON_INTERPRET=1)"
-            )
-    if requested in ("auto", "cpu") and device.type == "cpu":
-        from cbgen.model import cpu_kernels
-
-        if cpu_kernels.supports(dtype) and cpu_kernels.available():
-            return "cpu"
-    if requested == "cpu":
-        raise ValueError(
-            f"attention_backend='cpu' needs a CPU device, a float32/bfloat16 model and a C compiler "
-            f"(device {device}, dtype {dtype}; {_cpu_reason()})"
-        )
-    return "torch"
-
-
-def _cpu_reason() -> str:
-    from cbgen.model import cpu_kernels
-
-    return cpu_kernels.unavailable_reason() or "kernels not built"
 
 
 def model_forward(
@@ -132,8 +69,11 @@ def _compiled_model_forward():
 class ModelRunner:
     """Executes forwards for the engine; owns the KV cache and the fixed-shape decode path.
 
-    ``use_static_decode`` routes decode-only steps through :class:`StaticDecodeRunner` (CUDA graphs on
-    CUDA unless ``enforce_eager``); ``compile`` wraps that path's forward in ``torch.compile``.
+    ``backend`` (from :func:`cbgen.model.backends.select_backend`; the torch reference when None)
+    attends on every path: it rides on each step's metadata.  Decode-only steps go through
+    :class:`StaticDecodeRunner` on CUDA (as CUDA graphs, unless ``enforce_eager`` or a backend that
+    cannot be captured), with ``compile`` (its forward wrapped in ``torch.compile``) or with
+    ``enforce_eager=False``.
     """
 
     def __init__(
@@ -141,7 +81,7 @@ class ModelRunner:
         model: torch.nn.Module,
         kv_cache: KVCache,
         device: torch.device,
-        backend: str = "torch",
+        backend: AttentionBackend | None = None,
         max_num_seqs: int = 256,
         max_model_len: int = 8192,
         enforce_eager: bool | None = None,
@@ -156,26 +96,10 @@ class ModelRunner:
         self.attn_name = attention.register()
         self._configs = _attention_configs(model)
         self._check_layers()
-        self.backend = backend
-        self.decode_fn = self.store_fn = None
-        if backend == "triton":
-            from cbgen.model import triton_ops
-
-            self.decode_fn = triton_ops.triton_paged_decode_attention
-            self.store_fn = triton_ops.triton_store_kv
-        elif backend == "cpu":
-            from cbgen.model import cpu_kernels
-
-            self.decode_fn = cpu_kernels.paged_decode_attention
-            self.store_fn = cpu_kernels.store_kv
-        elif backend == "flash_attn":
-            from cbgen.model import flash_ops
-
-            flash_ops.check_geometry(kv_cache.block_size, kv_cache.geometry.head_dim)
-            self.decode_fn = flash_ops.paged_decode_attention
-            self.store_fn = flash_ops.store_kv_for(device)
-            if device.type == "cuda" and not enforce_eager and not flash_ops.cuda_graphs_ok(device):
-                enforce_eager = True  # eager decode steps (the reason is logged)
+        self.attn_backend = backend = backend if backend is not None else TorchBackend()
+        backend.check_geometry(kv_cache.block_size, kv_cache.geometry.head_dim)
+        if device.type == "cuda" and not enforce_eager and not backend.cuda_graphs_ok(device):
+            enforce_eager = True  # eager decode steps (the reason is logged)
         use_graphs = device.type == "cuda" and not enforce_eager
         use_static = use_graphs or compile or enforce_eager is False
         self.compiled = compile
@@ -194,21 +118,30 @@ class ModelRunner:
                 device=device,
                 dtype=dtype,
                 scratch_slot=kv_cache.scratch_slot,
-                decode_fn=self.decode_fn,
-                store_fn=self.store_fn,
                 backend=backend,
                 use_cuda_graphs=use_graphs,
             )
-        # Eager CPU decode steps of Llama-family models: fused C kernels (falls back per step).
+        # Eager CPU decode steps of Llama-family models: fused C kernels (falls back per step), with
+        # the C backend's attention.
         self.fused: FusedDecoder | None = None
-        if fused_decode and backend == "cpu" and self.static is None:
+        if fused_decode and isinstance(backend, CpuBackend) and self.static is None:
             reason = fused_decode_mod.unsupported_reason(model)
             if reason is None:
-                self.fused = FusedDecoder(model, prepack=prepack_weights)
+                self.fused = FusedDecoder(model, prepack=prepack_weights, backend=backend)
                 # Engine start, not the first step, pays for packing (~0.3 s for SmolLM2 in bf16).
                 self.fused.prepare()
             else:
                 log.info("cbgen: fused CPU decode not used: %s", reason)
+
+    @property
+    def backend(self) -> str:
+        """The attention backend's name (``torch``, ``cpu``, ``triton`` or ``flash_attn``)."""
+        return self.attn_backend.name
+
+    @property
+    def decode_fn(self) -> Callable[..., torch.Tensor]:
+        """The backend's paged decode kernel (``paged_ops.paged_decode_attention`` for torch)."""
+        return self.attn_backend.decode_kernel
 
     def _forward(
         self,
@@ -272,7 +205,7 @@ class ModelRunner:
         """Forward over the packed batch; returns logits ``[R, V]`` for ``batch.logits_indices``."""
         meta = batch.meta
         meta.kv_caches = self.kv_cache.layers
-        meta.decode_fn, meta.store_fn = self.decode_fn, self.store_fn
+        meta.backend = self.attn_backend
         if self.fused is not None:
             # Outside _paged_mode: the fused path calls no module whose result depends on the
             # attention setting or on training mode (it computes the eval-mode math itself), and

@@ -8,6 +8,11 @@
  *
  * Layer records (fused_decode.py builds them): LAYER_WORDS int64 words and LAYER_FLOATS floats each,
  * indexed by the enums below.  Pointers to packed weights are amx_pack layouts; biases may be 0.
+ *
+ * The field lists below are the one definition of that layout: they make the enums, and
+ * cbgen_decoder_layout() hands the same names, in order, with the record sizes, to cpu_kernels.py
+ * when it loads the library.  Python fills records by field name and refuses a record whose names
+ * differ from these, so a field added, removed or moved here is never read from the wrong slot.
  */
 #include <stdint.h>
 
@@ -25,8 +30,26 @@ int cbgen_paged_decode(const void *q, int64_t q_stride, const void *kc, const vo
                        int64_t table_stride, const int32_t *seq_lens, void *out, int64_t B, int H, int Hkv, int D,
                        int bs, float scale, int64_t window, float softcap, int dtype, int impl);
 
-enum { W_QKV, B_QKV, W_O, B_O, W_GATE_UP, B_GATE_UP, W_DOWN, B_DOWN, POST_NORM, NEXT_NORM, K_CACHE, V_CACHE, WINDOW, LAYER_WORDS = 16 };
-enum { POST_EPS, NEXT_EPS, SCALE, LAYER_FLOATS = 4 };
+#define DECODER_WORDS(X)                                                                                               \
+    X(W_QKV) X(B_QKV) X(W_O) X(B_O) X(W_GATE_UP) X(B_GATE_UP) X(W_DOWN) X(B_DOWN) X(POST_NORM) X(NEXT_NORM) X(K_CACHE)  \
+        X(V_CACHE) X(WINDOW)
+#define DECODER_FLOATS(X) X(POST_EPS) X(NEXT_EPS) X(SCALE)
+#define AS_ENUM(name) name,
+#define AS_NAME(name) #name " "
+
+enum { DECODER_WORDS(AS_ENUM) WORDS_USED };
+enum { DECODER_FLOATS(AS_ENUM) FLOATS_USED };
+/* Record sizes, with room to spare at the end (unused entries stay zero). */
+enum { LAYER_WORDS = 16, LAYER_FLOATS = 4 };
+_Static_assert(WORDS_USED <= LAYER_WORDS && FLOATS_USED <= LAYER_FLOATS, "layer record overflows its padding");
+
+/* Record sizes into words/floats; returns the field names in record order, space-separated, the
+ * word fields, then ';', then the float fields. */
+const char *cbgen_decoder_layout(int64_t *words, int64_t *floats) {
+    *words = LAYER_WORDS;
+    *floats = LAYER_FLOATS;
+    return DECODER_WORDS(AS_NAME) ";" DECODER_FLOATS(AS_NAME);
+}
 
 #define P16(word) ((uint16_t *)(intptr_t)(word))
 #define TRY(stage, call)                                                                                                \

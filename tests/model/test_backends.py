@@ -1,0 +1,68 @@
+"""Attention backend objects (``cbgen.model.backends``): what each device path holds, and the C
+decoder step's record layout read from the library."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from cbgen import LLM
+from cbgen.model import cpu_kernels, fused_decode, paged_ops
+from cbgen.model.backends import CpuBackend, TorchBackend, choose_backend, select_backend
+from tiny_models import make_model
+
+needs_c = pytest.mark.skipif(
+    not cpu_kernels.available(), reason=f"C kernels unavailable: {cpu_kernels.unavailable_reason()}"
+)
+
+
+def test_torch_backend_pads_to_scratch_and_stores_every_slot_when_fixed() -> None:
+    backend = select_backend("torch", torch.device("cpu"), torch.float32)
+    assert isinstance(backend, TorchBackend) and backend.name == "torch"
+    assert backend.row_prefill_max == 0 and not backend.paged_decode
+    assert backend.pad_slot(123) == 123
+    fixed = backend.fixed_shape()
+    assert fixed.name == "torch" and fixed.store_kv is paged_ops.store_kv_all_slots
+    assert backend.store_kv is paged_ops.store_kv  # the eager backend keeps the filtering store
+
+
+@needs_c
+def test_cpu_backend_holds_the_c_kernels() -> None:
+    backend = select_backend("auto", torch.device("cpu"), torch.bfloat16)
+    assert isinstance(backend, CpuBackend)
+    assert choose_backend("auto", torch.device("cpu"), torch.bfloat16) == backend.name == "cpu"
+    assert backend.store_kv is cpu_kernels.store_kv
+    assert backend.decode_kernel is cpu_kernels.paged_decode_attention
+    assert backend.row_prefill_max == 64 and backend.paged_decode
+    assert backend.pad_slot(123) == -1 and backend.fixed_shape() is backend
+
+
+@needs_c
+def test_engine_wires_one_backend_everywhere() -> None:
+    llm = LLM(make_model("llama"), block_size=8, attention_backend="cpu")
+    runner = llm.engine.runner
+    assert runner.backend == "cpu" and isinstance(runner.attn_backend, CpuBackend)
+    assert llm.engine.input_builder.row_prefill_max == runner.attn_backend.row_prefill_max
+    assert runner.fused is not None and runner.fused.backend is runner.attn_backend
+
+
+@needs_c
+def test_decoder_layout_comes_from_the_library() -> None:
+    layout = cpu_kernels.decoder_layout()
+    filled = {name for pair in fused_decode._C_PROJ_FIELDS for name in pair}
+    filled |= {"POST_NORM", "NEXT_NORM", "K_CACHE", "V_CACHE", "WINDOW"}
+    assert set(layout.word_fields) == filled
+    assert set(layout.float_fields) == {"POST_EPS", "NEXT_EPS", "SCALE"}
+    words = {name: i + 1 for i, name in enumerate(layout.word_fields)}
+    floats = {name: 0.5 for name in layout.float_fields}
+    w, f = layout.records([words, words], [floats, floats])
+    assert w.shape == (2, layout.words) and w.dtype == torch.int64
+    assert f.shape == (2, layout.floats) and f.dtype == torch.float32
+    assert w[1, layout.word_fields.index("WINDOW")] == words["WINDOW"]
+    assert not w[:, len(layout.word_fields) :].any()
+    with pytest.raises(ValueError, match="not the library's"):
+        layout.records([{**words, "EXTRA": 1}], [floats])
+    missing = dict(words)
+    del missing["WINDOW"]
+    with pytest.raises(ValueError, match="not the library's"):
+        layout.records([missing], [floats])
