@@ -246,6 +246,7 @@ def test_group_larger_than_max_num_seqs_runs_in_waves_and_never_starves_the_queu
     out, result = d.step()
     assert out.scheduled == [(group[0], 9)]
     # The leader reserved the two seats left: two followers fork, the other four queue on their own.
+    assert len(result.copies) == 2  # the partial third prompt block, once per forked follower
     assert sum(s.status is RequestStatus.RUNNING for s in group) == 3
     assert len(d.sched.waiting) == 5 and d.sched.waiting[-1] is behind
     d.drain()

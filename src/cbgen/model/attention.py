@@ -132,6 +132,7 @@ class AttentionBackend:
         keys = paged_ops.gather_kv(k_cache, meta.decode_block_table, meta.decode_max_len)
         values = paged_ops.gather_kv(v_cache, meta.decode_block_table, meta.decode_max_len)
         mask = meta.decode_mask(keys.shape[2], sliding_window)
+        keys, values = paged_ops.hide_masked(keys, values, mask)
         return paged_ops.attend(q[:, :, None, :], keys, values, mask, scale, softcap)[:, :, 0, :]
 
     def prefill(

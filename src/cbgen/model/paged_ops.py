@@ -61,6 +61,18 @@ def decode_mask(seq_lens: torch.Tensor, length: int, sliding_window: int | None 
     return mask[:, None, None, :]
 
 
+def hide_masked(
+    keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Zeroes the gathered ``[B, Hkv, L, D]`` keys and values that ``mask [B, 1, 1, L]`` hides.
+
+    The padding of a block table points at block 0, which may hold another sequence's K/V, NaN
+    included; a -inf score does not stop ``0 * NaN`` in the value sum (nor ``NaN + -inf`` in SDPA's
+    masked scores), so hidden entries must not hold NaN at all."""
+    hidden = ~mask[:, :, 0, :, None]
+    return keys.masked_fill(hidden, 0.0), values.masked_fill(hidden, 0.0)
+
+
 def attend(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -116,5 +128,6 @@ def paged_decode_attention(
     keys = gather_kv(k_cache, block_table, max_seq_len)
     values = gather_kv(v_cache, block_table, max_seq_len)
     mask = decode_mask(seq_lens, keys.shape[2], sliding_window)
+    keys, values = hide_masked(keys, values, mask)
     out = attend(query[:, :, None, :], keys, values, mask, scale, softcap)
     return out[:, :, 0, :]
