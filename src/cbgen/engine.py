@@ -347,8 +347,7 @@ class Engine:
                 continue
             if sample.is_finished:
                 self.stats.requests_finished -= 1  # it ends again, under the new weights
-            else:
-                self.scheduler.remove(sample)
+            self.scheduler.remove(sample)  # an ended sample may still sit in ``running`` until swept
             sample.reset_outputs()
             sample.finish_reason = sample.stop_reason = None
             sample.first_token_time = None
