@@ -1,4 +1,5 @@
-"""Unit tests of the vectorised building blocks in ``cbgen.sample.processors`` and the inverse CDF."""
+"""Unit tests of the sampler's vectorised building blocks: batch parameters, seeded uniforms, inverse
+CDF, row kernels, truncation thresholds and penalties."""
 
 from __future__ import annotations
 
@@ -9,8 +10,24 @@ import pytest
 import torch
 
 from cbgen.request import Request
-from cbgen.sample import processors as P
-from cbgen.sample.sampler import _inverse_cdf, _inverse_cdf_blocked
+from cbgen.sample.batch_params import BatchParams, seeded_uniform
+from cbgen.sample.inverse_cdf import inverse_cdf, inverse_cdf_blocked
+from cbgen.sample.penalties import (
+    apply_banned_tokens,
+    apply_frequency_presence,
+    apply_logit_bias,
+    apply_repetition_penalty,
+)
+from cbgen.sample.row_ops import (
+    BLOCK,
+    block_reduce,
+    exp_rows,
+    exp_sum,
+    row_argmax,
+    sort_values_desc,
+    topk_desc,
+)
+from cbgen.sample.truncation import truncation_thresholds
 from cbgen.sampling_params import SamplingParams
 
 
@@ -29,16 +46,16 @@ def make_request(params: SamplingParams, prompt=(5, 6), output=(), sample_index=
 
 # ------------------------------------------------------------------------------ seeded uniforms
 def test_seeded_uniform_is_deterministic_and_open_interval() -> None:
-    a = P.seeded_uniform(1, 0, 0)
-    assert a == P.seeded_uniform(1, 0, 0)
+    a = seeded_uniform(1, 0, 0)
+    assert a == seeded_uniform(1, 0, 0)
     assert 0.0 < a < 1.0
-    assert len({P.seeded_uniform(1, 0, p) for p in range(1000)}) == 1000
-    assert P.seeded_uniform(1, 0, 5) != P.seeded_uniform(1, 1, 5) != P.seeded_uniform(2, 0, 5)
-    assert 0.0 < P.seeded_uniform(-(2**70), 2**65, 0) < 1.0  # any Python int is accepted
+    assert len({seeded_uniform(1, 0, p) for p in range(1000)}) == 1000
+    assert seeded_uniform(1, 0, 5) != seeded_uniform(1, 1, 5) != seeded_uniform(2, 0, 5)
+    assert 0.0 < seeded_uniform(-(2**70), 2**65, 0) < 1.0  # any Python int is accepted
 
 
 def test_seeded_uniform_is_uniform() -> None:
-    u = np.array([P.seeded_uniform(7, i % 50, i // 50) for i in range(20_000)])
+    u = np.array([seeded_uniform(7, i % 50, i // 50) for i in range(20_000)])
     counts = np.histogram(u, bins=20, range=(0, 1))[0]
     expected = len(u) / 20
     chi2 = ((counts - expected) ** 2 / expected).sum()
@@ -47,7 +64,7 @@ def test_seeded_uniform_is_uniform() -> None:
 
 
 # ------------------------------------------------------------------------------ inverse CDF
-def reference_inverse_cdf(w: np.ndarray, u: float) -> int:
+def referenceinverse_cdf(w: np.ndarray, u: float) -> int:
     cum = np.cumsum(w.astype(np.float64))
     return int(np.argmax(cum > u * cum[-1]))
 
@@ -55,7 +72,7 @@ def reference_inverse_cdf(w: np.ndarray, u: float) -> int:
 def test_inverse_cdf_exact_quantiles_and_edges() -> None:
     w = torch.tensor([[0.0, 1.0, 0.0, 3.0, 0.0]] * 6)
     u = torch.tensor([0.0, 0.2, 0.25, 0.5, 1 - 2.0**-54, 0.9999999], dtype=torch.float64)
-    assert _inverse_cdf(w, u).tolist() == [1, 1, 3, 3, 3, 3]
+    assert inverse_cdf(w, u).tolist() == [1, 1, 3, 3, 3, 3]
 
 
 @pytest.mark.parametrize("vocab", [64, 200, 1001])
@@ -69,19 +86,19 @@ def test_blocked_inverse_cdf_matches_reference(vocab: int) -> None:
     u = torch.rand(rows, generator=gen, dtype=torch.float64)
     u[0] = 0.0
     u[1] = 1 - 2.0**-54
-    bsum = P.block_reduce(w, "sum")
-    got = _inverse_cdf_blocked(w, None, bsum, u)
+    bsum = block_reduce(w, "sum")
+    got = inverse_cdf_blocked(w, None, bsum, u)
     for i in range(rows):
         assert w[i, got[i]] > 0
         if i >= 2:
-            assert got[i].item() == reference_inverse_cdf(w[i].numpy(), u[i].item())
+            assert got[i].item() == referenceinverse_cdf(w[i].numpy(), u[i].item())
     nz = [int(torch.nonzero(w[i])[0]) for i in range(2)]
     last = int(torch.nonzero(w[1])[-1])
     assert got[0].item() == nz[0]  # u = 0 picks the first positive token
     assert got[1].item() == last  # u -> 1 picks the last positive token
     # Row subset: same answers as on the copied rows.
     sub = torch.tensor([5, 3, 9])
-    got_sub = _inverse_cdf_blocked(w, sub, bsum[sub], u[sub])
+    got_sub = inverse_cdf_blocked(w, sub, bsum[sub], u[sub])
     assert got_sub.tolist() == got[sub].tolist()
 
 
@@ -93,9 +110,9 @@ def test_inverse_cdf_never_picks_zero_weight() -> None:
     u = torch.rand(2000, generator=gen, dtype=torch.float64)
     u[:10] = 1 - 2.0**-54
     u[10:20] = 0.0
-    got = _inverse_cdf_blocked(w, None, P.block_reduce(w, "sum"), u)
+    got = inverse_cdf_blocked(w, None, block_reduce(w, "sum"), u)
     assert set(got.tolist()) <= {7, 150}
-    dense = _inverse_cdf(w, u)
+    dense = inverse_cdf(w, u)
     assert set(dense.tolist()) <= {7, 150}
 
 
@@ -103,9 +120,9 @@ def test_inverse_cdf_never_picks_zero_weight() -> None:
 @pytest.mark.parametrize("vocab", [1, 63, 64, 65, 1000])
 def test_block_reduce(vocab: int) -> None:
     x = torch.randn(3, vocab, generator=torch.Generator().manual_seed(1))
-    mx = P.block_reduce(x, "max")
-    sm = P.block_reduce(x, "sum")
-    assert mx.shape == sm.shape == (3, math.ceil(vocab / P.BLOCK))
+    mx = block_reduce(x, "max")
+    sm = block_reduce(x, "sum")
+    assert mx.shape == sm.shape == (3, math.ceil(vocab / BLOCK))
     torch.testing.assert_close(mx.amax(1), x.amax(1))
     torch.testing.assert_close(sm.sum(1), x.double().sum(1), atol=1e-4, rtol=0)
     assert sm.dtype == torch.float64
@@ -118,11 +135,11 @@ def test_row_argmax_matches_torch(vocab: int) -> None:
     x[4, vocab // 2] = 100.0
     x[4, vocab - 1] = 100.0  # tie across blocks: the first
     x[5, vocab - 1] = 1e9  # maximum in the (possibly short) last block
-    assert P.row_argmax(x).tolist() == torch.argmax(x, dim=1).tolist()
+    assert row_argmax(x).tolist() == torch.argmax(x, dim=1).tolist()
     rows = torch.tensor([5, 0, 4])
-    assert P.row_argmax(x, rows).tolist() == torch.argmax(x[rows], dim=1).tolist()
-    bmax = P.block_reduce(x, "max")
-    assert P.row_argmax(x, rows, bmax).tolist() == torch.argmax(x[rows], dim=1).tolist()
+    assert row_argmax(x, rows).tolist() == torch.argmax(x[rows], dim=1).tolist()
+    bmax = block_reduce(x, "max")
+    assert row_argmax(x, rows, bmax).tolist() == torch.argmax(x[rows], dim=1).tolist()
 
 
 @pytest.mark.parametrize(
@@ -134,18 +151,18 @@ def test_topk_desc_matches_torch(vocab: int, k: int) -> None:
     x[2, 100:110] = 3.0  # ties inside the top-k
     for rows in (None, torch.tensor([7, 2, 11])):
         src = x if rows is None else x[rows]
-        vals, ids = P.topk_desc(x, k, rows)
+        vals, ids = topk_desc(x, k, rows)
         ref = torch.topk(src, k, dim=1).values
         torch.testing.assert_close(vals, ref)
         torch.testing.assert_close(src.gather(1, ids), vals)  # ids point at the values
         assert all(len(set(r)) == k for r in ids.tolist())  # no duplicate columns
-    vals_b, _ = P.topk_desc(x, k, None, P.block_reduce(x, "max"))
+    vals_b, _ = topk_desc(x, k, None, block_reduce(x, "max"))
     torch.testing.assert_close(vals_b, torch.topk(x, k, dim=1).values)
 
 
 def test_sort_values_desc() -> None:
     x = torch.randn(4, 333, generator=torch.Generator().manual_seed(0))
-    torch.testing.assert_close(P.sort_values_desc(x), torch.sort(x, dim=1, descending=True).values)
+    torch.testing.assert_close(sort_values_desc(x), torch.sort(x, dim=1, descending=True).values)
 
 
 def test_exp_rows_and_exp_sum() -> None:
@@ -156,7 +173,7 @@ def test_exp_rows_and_exp_sum() -> None:
     temp = torch.rand(20, generator=gen) + 0.3
     out = torch.empty(20, 300)
     scratch = torch.empty(20, 300)
-    bsum, bmax, plain = P.exp_rows(src, rows, shift, temp, out, scratch)
+    bsum, bmax, plain = exp_rows(src, rows, shift, temp, out, scratch)
     ref = torch.exp((src[rows].double() - shift[:, None].double()) / temp[:, None].double())
     torch.testing.assert_close(out.double(), ref, atol=1e-6, rtol=1e-5)
     torch.testing.assert_close(bsum.sum(1), ref.sum(1), atol=1e-5, rtol=1e-6)
@@ -165,7 +182,7 @@ def test_exp_rows_and_exp_sum() -> None:
         plain, torch.exp(src[rows].double() - shift[:, None]).sum(1), atol=1e-5, rtol=1e-6
     )
     keep = torch.rand(20, 300, generator=gen)
-    got = P.exp_sum(src, rows, shift, torch.empty(3, 300), keep=keep, keep_above=0.5)
+    got = exp_sum(src, rows, shift, torch.empty(3, 300), keep=keep, keep_above=0.5)
     ref_keep = (torch.exp(src[rows].double() - shift[:, None]) * (keep > 0.5)).sum(1)
     torch.testing.assert_close(got, ref_keep, atol=1e-5, rtol=1e-6)
 
@@ -209,9 +226,9 @@ def test_truncation_thresholds_match_reference(vocab: int) -> None:
     temp = torch.tensor([s[0] for s in settings])
     m = x.amax(1)
     e = torch.empty_like(x)
-    bsum, bmax, _ = P.exp_rows(x, None, m, temp, e)
+    bsum, bmax, _ = exp_rows(x, None, m, temp, e)
     rows = torch.arange(len(settings))
-    tr = P.truncation_thresholds(
+    tr = truncation_thresholds(
         e,
         rows,
         bsum.sum(1),
@@ -243,10 +260,10 @@ def test_penalties_and_bias_match_definitions() -> None:
         make_request(SamplingParams(), prompt=[0], output=[0]),
     ]
     out = logits.clone()
-    P.apply_repetition_penalty(out, reqs, [0], [1.7])
-    P.apply_frequency_presence(out, reqs, [1], [0.25], [0.5])
-    P.apply_logit_bias(out, [2, 2], [5, 6], [1.5, float("-inf")])
-    P.apply_banned_tokens(out, [1], [9])
+    apply_repetition_penalty(out, reqs, [0], [1.7])
+    apply_frequency_presence(out, reqs, [1], [0.25], [0.5])
+    apply_logit_bias(out, [2, 2], [5, 6], [1.5, float("-inf")])
+    apply_banned_tokens(out, [1], [9])
     ref = logits.clone()
     for t in {1, 2, 29, 4}:
         ref[0, t] = ref[0, t] / 1.7 if ref[0, t] > 0 else ref[0, t] * 1.7
@@ -269,10 +286,10 @@ def test_batch_params_flags() -> None:
         ),
         make_request(SamplingParams(temperature=0.5, top_p=0.9)),
     ]
-    bp = P.BatchParams.from_requests(reqs, 50)
+    bp = BatchParams.from_requests(reqs, 50)
     assert bp.greedy_rows == [0] and bp.sampled_rows == [1, 2, 3, 4, 5]
     assert bp.top_k.tolist() == [0, 0, 5, 0, 0, 0]  # top_k >= V disables it
-    assert bp.seeded_rows == [1] and bp.seeded_u == [P.seeded_uniform(4, 0, 1)]
+    assert bp.seeded_rows == [1] and bp.seeded_u == [seeded_uniform(4, 0, 1)]
     assert bp.unseeded_rows == [2, 3, 4, 5]
     assert sorted(zip(bp.banned_rows, bp.banned_cols)) == [(2, 2), (2, 9)]
     assert bp.modified == [False, False, True, False, True, False]
