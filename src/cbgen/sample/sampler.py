@@ -15,8 +15,8 @@ Randomness never touches the global torch/numpy/Python generators.  A seeded row
 uniform from a hash of ``(seed, sample_index, output position)``, so its token depends only on
 that and on its own logits, not on batch composition or scheduling.  Unseeded rows draw from a
 private ``torch.Generator`` seeded with the sampler's ``seed``.  The token is the inverse CDF at that
-uniform, computed in two levels (block sums, then one block) in float64, and can never be a token
-of zero probability.
+uniform, computed in float64 (over a whole row in two levels, block sums then one block, or over a
+truncated row's sorted survivors), and can never be a token of zero probability.
 
 Where the parts live: :mod:`~cbgen.sample.batch_params` reads the requests,
 :mod:`~cbgen.sample.logits_processors` and :mod:`~cbgen.sample.penalties` are stages 0 and 1,
