@@ -14,8 +14,9 @@ import pytest
 
 from cbgen.bench.cli import EXIT_CHECK_FAILED, main
 from cbgen.bench.cold_start import MARKS, VLLM_NOTE, ColdRun, ColdStartResult, run_cold_start
-from cbgen.bench.engines import BenchOptions
-from cbgen.bench.report import cold_start_markdown, markdown, summarize
+from cbgen.bench.engine_settings import BenchOptions
+from cbgen.bench.report import summarize
+from cbgen.bench.report_markdown import cold_start_markdown, markdown
 from cbgen.bench.workloads import Workload
 
 ENGINE_FIELDS = (

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from cbgen.request import Request
-from cbgen.sample import processors
+from cbgen.sample import row_ops
 from cbgen.sample import sampler as sampler_module
 from cbgen.sample.sampler import SamplerOutput, prompt_logprobs
 from cbgen.sampling_params import SamplingParams
@@ -642,7 +642,7 @@ def _forbid_device_reads(monkeypatch) -> None:
 
     for name in ("tolist", "item", "__bool__", "nonzero", "__int__", "__float__"):
         monkeypatch.setattr(torch.Tensor, name, boom)
-    monkeypatch.setattr(processors, "CPU_EXP_SHORTCUT", False)  # CPU-only, reads a value back
+    monkeypatch.setattr(row_ops, "CPU_EXP_SHORTCUT", False)  # CPU-only, reads a value back
 
 
 def test_greedy_batch_needs_no_device_read_back(monkeypatch) -> None:

@@ -13,29 +13,22 @@ Examples::
 from __future__ import annotations
 
 import argparse
-import dataclasses
-import os
-import platform
 import sys
 import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from cbgen.bench.cold_start import COLD_ENGINES, ColdStartResult, run_cold_start
-from cbgen.bench.engines import (
-    ENGINE_NAMES,
-    MAX_NUM_BATCHED_TOKENS,
-    MAX_NUM_SEQS,
-    BenchOptions,
-    EngineResult,
-    best_ceiling,
-    matmul_ceiling,
-    merge_results,
-    run_engine,
-    run_isolated,
-    vllm_unsupported_reason,
-)
-from cbgen.bench.report import failed, markdown, plot, profile_breakdown, summarize, write_json
+from cbgen.bench.engine_result import EngineResult
+from cbgen.bench.engine_settings import ENGINE_NAMES, MAX_NUM_BATCHED_TOKENS, MAX_NUM_SEQS, BenchOptions
+from cbgen.bench.matmul_ceiling import best_ceiling, matmul_ceiling
+from cbgen.bench.report import failed, profile_breakdown, summarize, write_json
+from cbgen.bench.report_markdown import markdown
+from cbgen.bench.report_plot import plot
+from cbgen.bench.rounds import cold_plan, log, run_rounds
+from cbgen.bench.run_meta import loadavg, run_meta
+from cbgen.bench.vllm_launch import vllm_unsupported_reason
 from cbgen.bench.workloads import (
     DEFAULT_MODELS,
     DEFAULT_SUITE,
@@ -45,7 +38,6 @@ from cbgen.bench.workloads import (
     build_workload,
     load_bench_model,
     model_dims,
-    model_path,
     vocab_size_of,
     workload_flops,
 )
@@ -59,6 +51,8 @@ DEFAULT_ENGINES: dict[str, tuple[str, ...]] = {
     "mixed": ("cbgen", "hf-generate", "hf-cb"),
 }
 EXIT_CHECK_FAILED = 3
+# Loads a model key once per run: (model, tokenizer).
+ModelFor = Callable[[str], tuple[Any, Any]]
 
 
 def _csv(value: str) -> list[str]:
@@ -73,6 +67,16 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog=__doc__.split("Examples::", 1)[1],
     )
+    # Added in this order because --help lists them in it.
+    _add_selection_args(p)
+    _add_run_args(p)
+    _add_extra_args(p)
+    _add_cold_start_args(p)
+    return p
+
+
+def _add_selection_args(p: argparse.ArgumentParser) -> None:
+    """Which workloads and engines run."""
     p.add_argument(
         "--suite",
         choices=sorted(SUITES),
@@ -91,6 +95,10 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help=f"comma-separated subset of {','.join(ENGINE_NAMES)} (default: per workload)",
     )
+
+
+def _add_run_args(p: argparse.ArgumentParser) -> None:
+    """How the engines run and where the report goes."""
     p.add_argument("--repeats", type=int, default=3, help="timed runs per engine; medians are reported (3)")
     p.add_argument(
         "--dtype",
@@ -117,6 +125,10 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="PATH",
         help="python of a virtualenv with vLLM; adds the vllm engine (see benchmarks/README.md)",
     )
+
+
+def _add_extra_args(p: argparse.ArgumentParser) -> None:
+    """Profiling, the null model, and the model and device choice."""
     p.add_argument(
         "--profile",
         action="store_true",
@@ -140,6 +152,10 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="run engines in this process (faster start; peak RSS is then the process's)",
     )
+
+
+def _add_cold_start_args(p: argparse.ArgumentParser) -> None:
+    """The end-to-end cold-start runs."""
     p.add_argument(
         "--cold-start",
         action="store_true",
@@ -153,7 +169,6 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="N",
         help="fresh processes per engine for --cold-start; medians are reported (1)",
     )
-    return p
 
 
 def _plan(args: argparse.Namespace) -> list[tuple[str, list[str]]]:
@@ -185,141 +200,18 @@ def _plan(args: argparse.Namespace) -> list[tuple[str, list[str]]]:
     return plan
 
 
-# Settings that change how torch's thread pool behaves; recorded because they move results a lot.
-THREAD_ENV = ("OMP_NUM_THREADS", "OMP_WAIT_POLICY", "MKL_NUM_THREADS", "KMP_BLOCKTIME", "LD_PRELOAD")
+@dataclass
+class _Collected:
+    """Everything the workloads of one run produce, as :func:`~cbgen.bench.report.summarize` takes it."""
 
-
-def _loadavg() -> float | None:
-    try:
-        return round(os.getloadavg()[0], 2)
-    except OSError:
-        return None
-
-
-def _meta(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
-    import torch
-    import transformers
-
-    from cbgen.utils import resolve_device
-
-    device = resolve_device(args.device)
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
-    except OSError:
-        pass
-    return {
-        "started": time.strftime("%Y-%m-%d %H:%M:%S"),
-        "argv": argv,
-        "device": str(device) if device.type == "cpu" else torch.cuda.get_device_name(device),
-        "cpu": cpu,
-        "cpu_count": os.cpu_count(),
-        "threads": torch.get_num_threads(),
-        "dtype": args.dtype,
-        "repeats": args.repeats,
-        "tiny": args.tiny,
-        "isolated": not args.no_isolate,
-        "cold_start": args.cold_start,
-        "cold_repeats": args.cold_repeats if args.cold_start else None,
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "max_num_batched_tokens": MAX_NUM_BATCHED_TOKENS,
-        "max_num_seqs": MAX_NUM_SEQS,
-        "env": {k: os.environ[k] for k in THREAD_ENV if k in os.environ},
-        "loadavg_start": _loadavg(),
-    }
-
-
-_START = time.monotonic()
-
-
-def _log(msg: str) -> None:
-    print(f"[cbgen bench {time.monotonic() - _START:7.1f}s] {msg}", file=sys.stderr, flush=True)
-
-
-def _describe(result: EngineResult) -> str:
-    if result.error:
-        return f"ERROR {result.error}"
-    walls = sorted(r.wall_s for r in result.runs)
-    mid = walls[len(walls) // 2]
-    tokens = result.runs[0].output_tokens if result.runs else 0
-    return f"median {mid:.2f} s over {len(walls)} run(s), {tokens / mid:,.0f} output tok/s"
-
-
-def _run_rounds(
-    name: str, wl: Workload, engines: list[str], model: Any, key: str, opts: BenchOptions, isolate: bool
-) -> dict[str, EngineResult]:
-    """Runs the engines round-robin, one repeat each per round, so that a change in machine load
-    (other jobs on a shared box) hits every engine alike instead of whichever ran at the time.
-    vLLM is the exception: its start-up takes a minute or more, so it runs all its repeats at once."""
-    one = dataclasses.replace(opts, repeats=1)
-    parts: dict[str, list[EngineResult]] = {e: [] for e in engines}
-    for rnd in range(opts.repeats):
-        for engine in engines:
-            if parts[engine] and parts[engine][-1].error:
-                continue  # a failing engine fails once, not once per round
-            if engine == "vllm":
-                if rnd > 0:
-                    continue
-                result = run_engine(engine, wl, model, opts, key)
-            elif isolate:
-                result = run_isolated(engine, name, key, one)
-            else:
-                result = run_engine(engine, wl, model, one, key)
-            parts[engine].append(result)
-            _log(f"{name}/{engine} (round {rnd + 1}/{opts.repeats}): {_describe(result)}")
-    merged = {e: merge_results(p) for e, p in parts.items() if p}
-    for engine, result in merged.items():
-        _log(f"{name}/{engine}: {_describe(result)}")
-    return merged
-
-
-def _describe_cold(result: ColdStartResult) -> str:
-    if result.error:
-        return f"ERROR {result.error}"
-    p = result.runs[-1].phases()
-    split = (
-        f"load {p['load_s']:.2f}, engine start {p['engine_start_s']:.2f}"
-        if p["load_s"] is not None
-        else f"load + engine start {p['load_engine_s']:.2f}"
-    )
-    return (
-        f"total {p['total_s']:.2f} s (import {p['import_s']:.2f}, {split}, generate {p['generate_s']:.2f}; "
-        f"exit took {p['exit_s']:.2f} more)"
-    )
-
-
-def _cold_rounds(
-    name: str, wl: Workload, engines: list[str], folder: str, opts: BenchOptions, repeats: int
-) -> dict[str, ColdStartResult]:
-    """Cold starts round-robin, one fresh process per engine per round, as :func:`_run_rounds` does
-    for the warm runs and for the same reason."""
-    results: dict[str, ColdStartResult] = {}
-    for rnd in range(repeats):
-        for engine in engines:
-            if engine in results and results[engine].error:
-                continue
-            results[engine] = run_cold_start(engine, folder, wl, opts, results.get(engine))
-            _log(f"{name}/{engine} cold start ({rnd + 1}/{repeats}): {_describe_cold(results[engine])}")
-    return results
-
-
-def _cold_plan(
-    name: str, wl: Workload, key: str, engines: list[str], opts: BenchOptions, repeats: int
-) -> dict[str, Any]:
-    """Runs the cold starts of one workload, or says why they cannot run."""
-    chosen = [e for e in COLD_ENGINES if e in engines]
-    folder = model_path(key)
-    if folder is None:
-        reason = f"model {key!r} exists only in memory; a cold start needs a model folder to load"
-    elif not chosen:
-        reason = f"none of its engines has a cold-start runner ({', '.join(COLD_ENGINES)})"
-    else:
-        return {"folder": folder, "engines": _cold_rounds(name, wl, chosen, folder, opts, repeats)}
-    _log(f"{name}: cold start skipped ({reason})")
-    return {"skipped": reason}
+    workloads: dict[str, Workload] = field(default_factory=dict)
+    results: dict[str, dict[str, EngineResult]] = field(default_factory=dict)
+    flops: dict[str, dict[str, float]] = field(default_factory=dict)
+    ceilings: dict[str, dict[str, Any]] = field(default_factory=dict)
+    skipped: list[dict[str, str]] = field(default_factory=list)
+    profile: dict[str, Any] = field(default_factory=dict)
+    step_records: dict[str, Any] = field(default_factory=dict)
+    cold: dict[str, dict[str, Any]] = field(default_factory=dict)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -341,7 +233,7 @@ def main(argv: list[str] | None = None) -> int:
         vllm_python=args.vllm_python,
         model=args.model,
     )
-    meta = _meta(args, argv)
+    meta = run_meta(args, argv)
     args.out.mkdir(parents=True, exist_ok=True)
     stamp = time.strftime("%Y%m%d-%H%M%S")
 
@@ -349,107 +241,119 @@ def main(argv: list[str] | None = None) -> int:
 
     def model_for(key: str) -> tuple[Any, Any]:
         if key not in models:
-            _log(f"loading model {key} ({args.dtype})")
+            log(f"loading model {key} ({args.dtype})")
             models[key] = load_bench_model(key, args.dtype, args.device)
         return models[key]
 
-    workloads: dict[str, Workload] = {}
-    results: dict[str, dict[str, EngineResult]] = {}
-    flops: dict[str, dict[str, float]] = {}
-    ceilings: dict[str, dict[str, Any]] = {}
-    skipped: list[dict[str, str]] = []
-    profile: dict[str, Any] = {}
-    step_records: dict[str, Any] = {}
-    cold: dict[str, dict[str, Any]] = {}
+    got = _Collected()
     for name, engines in plan:
-        key = args.model or DEFAULT_MODELS[name]
-        model, tokenizer = model_for(key)
-        wl = build_workload(
-            name, tiny=args.tiny, model=key, vocab_size=vocab_size_of(model), tokenizer=tokenizer
-        )
-        workloads[name] = wl
-        _log(
-            f"{name}: {wl.description} on {key} ({wl.prompt_tokens:,} prompt + {wl.output_tokens:,} output tokens)"
-        )
-        runnable = []
-        for engine in engines:
-            reason = vllm_unsupported_reason(model) if engine == "vllm" else None
-            if reason:
-                skipped.append({"workload": name, "engine": engine, "reason": reason})
-                _log(f"{name}/{engine}: skipped ({reason})")
-            else:
-                runnable.append(engine)
-        dims = model_dims(model)
-        flops[name] = workload_flops(wl, dims)
-        rows = {
-            "decode_rows": min(wl.num_sequences, MAX_NUM_SEQS),
-            "prefill_rows": min(wl.prompt_tokens, MAX_NUM_BATCHED_TOKENS),
-        }
-        budget = 0.03 if args.tiny else 0.3
-        # Timed before and after the engines; the better of the two is the ceiling, so a burst of
-        # load from other jobs during one measurement does not lower it.
-        _log(f"{name}: timing the matmul ceiling")
-        before = matmul_ceiling(dims, **rows, device=args.device, budget_s=budget)
-        results[name] = _run_rounds(name, wl, runnable, model, key, opts, isolate=not args.no_isolate)
-        _log(f"{name}: timing the matmul ceiling again")
-        ceilings[name] = best_ceiling(
-            before, matmul_ceiling(dims, **rows, device=args.device, budget_s=budget)
-        )
-        if args.cold_start:
-            # After the warm runs: every engine has then had the chance to fill its on-disk caches
-            # (compiled kernels, vLLM's torch.compile cache), as on a machine that ran it before.
-            cold[name] = _cold_plan(name, wl, key, runnable, opts, args.cold_repeats)
-        cb = results[name].get("cbgen")
-        if args.profile and cb is not None and cb.steps:
-            profile[name] = profile_breakdown(cb.steps)
-            step_records[name] = cb.steps
-
-    null_rows = None
-    if args.null_model:
-        from cbgen.bench.null_model import measure
-
-        key = args.model or "smollm2"
-        model, _ = model_for(key)
-        _log(f"null model: stub with {key}'s vocabulary, 1/16/64/256 running requests")
-        from cbgen.utils import resolve_device, resolve_dtype
-
-        device = resolve_device(args.device)
-        null_rows = measure(
-            model.config,
-            steps=5 if args.tiny else 50,
-            dtype=resolve_dtype(args.dtype, None, device),
-            device=device,
-        )
-
+        _bench_workload(args, opts, name, engines, model_for, got)
+    null_rows = _null_model_rows(args, model_for) if args.null_model else None
     report = summarize(
-        workloads,
-        results,
-        flops,
-        ceilings,
+        got.workloads,
+        got.results,
+        got.flops,
+        got.ceilings,
         meta,
         null_model=null_rows,
-        profile=profile or None,
-        cold_start=cold if args.cold_start else None,
+        profile=got.profile or None,
+        cold_start=got.cold if args.cold_start else None,
     )
-    report["skipped"] = skipped
-    meta["loadavg_end"] = _loadavg()
-    base = args.out / f"bench-{stamp}"
-    write_json(report, base.with_suffix(".json"))
-    if step_records:
-        write_json({"meta": meta, "steps": step_records}, args.out / f"profile-{stamp}.json")
-    if report["workloads"]:
-        plot(report, base.with_suffix(".png"))
-    text = markdown(report)
-    base.with_suffix(".md").write_text(text)
-    _log(
-        f"wrote {base}.json, .md"
-        + (", .png" if report["workloads"] else "")
-        + (f" and profile-{stamp}.json" if step_records else "")
-    )
+    report["skipped"] = got.skipped
+    meta["loadavg_end"] = loadavg()
+    text = _write_report(report, meta, got.step_records, args.out, stamp)
     print(text, flush=True)
     if failed(report):
         raise SystemExit(EXIT_CHECK_FAILED)
     return 0
+
+
+def _bench_workload(
+    args: argparse.Namespace,
+    opts: BenchOptions,
+    name: str,
+    engines: list[str],
+    model_for: ModelFor,
+    got: _Collected,
+) -> None:
+    """Builds workload ``name``, times the matmul ceiling around its engines' runs, and its cold starts."""
+    key = args.model or DEFAULT_MODELS[name]
+    model, tokenizer = model_for(key)
+    wl = build_workload(name, tiny=args.tiny, model=key, vocab_size=vocab_size_of(model), tokenizer=tokenizer)
+    got.workloads[name] = wl
+    log(
+        f"{name}: {wl.description} on {key} ({wl.prompt_tokens:,} prompt + {wl.output_tokens:,} output tokens)"
+    )
+    runnable = []
+    for engine in engines:
+        reason = vllm_unsupported_reason(model) if engine == "vllm" else None
+        if reason:
+            got.skipped.append({"workload": name, "engine": engine, "reason": reason})
+            log(f"{name}/{engine}: skipped ({reason})")
+        else:
+            runnable.append(engine)
+    dims = model_dims(model)
+    got.flops[name] = workload_flops(wl, dims)
+    rows = {
+        "decode_rows": min(wl.num_sequences, MAX_NUM_SEQS),
+        "prefill_rows": min(wl.prompt_tokens, MAX_NUM_BATCHED_TOKENS),
+    }
+    budget = 0.03 if args.tiny else 0.3
+    # Timed before and after the engines; the better of the two is the ceiling, so a burst of
+    # load from other jobs during one measurement does not lower it.
+    log(f"{name}: timing the matmul ceiling")
+    before = matmul_ceiling(dims, **rows, device=args.device, budget_s=budget)
+    got.results[name] = run_rounds(name, wl, runnable, model, key, opts, isolate=not args.no_isolate)
+    log(f"{name}: timing the matmul ceiling again")
+    got.ceilings[name] = best_ceiling(
+        before, matmul_ceiling(dims, **rows, device=args.device, budget_s=budget)
+    )
+    if args.cold_start:
+        # After the warm runs: every engine has then had the chance to fill its on-disk caches
+        # (compiled kernels, vLLM's torch.compile cache), as on a machine that ran it before.
+        got.cold[name] = cold_plan(name, wl, key, runnable, opts, args.cold_repeats)
+    cb = got.results[name].get("cbgen")
+    if args.profile and cb is not None and cb.steps:
+        got.profile[name] = profile_breakdown(cb.steps)
+        got.step_records[name] = cb.steps
+
+
+def _null_model_rows(args: argparse.Namespace, model_for: ModelFor) -> list[dict[str, Any]]:
+    """Engine overhead with a stub model that has the vocabulary of ``--model`` (default smollm2)."""
+    from cbgen.bench.null_model import measure
+
+    key = args.model or "smollm2"
+    model, _ = model_for(key)
+    log(f"null model: stub with {key}'s vocabulary, 1/16/64/256 running requests")
+    from cbgen.utils import resolve_device, resolve_dtype
+
+    device = resolve_device(args.device)
+    return measure(
+        model.config,
+        steps=5 if args.tiny else 50,
+        dtype=resolve_dtype(args.dtype, None, device),
+        device=device,
+    )
+
+
+def _write_report(
+    report: dict[str, Any], meta: dict[str, Any], step_records: dict[str, Any], out: Path, stamp: str
+) -> str:
+    """Writes the JSON, markdown, chart and step-profile files; returns the markdown."""
+    base = out / f"bench-{stamp}"
+    write_json(report, base.with_suffix(".json"))
+    if step_records:
+        write_json({"meta": meta, "steps": step_records}, out / f"profile-{stamp}.json")
+    if report["workloads"]:
+        plot(report, base.with_suffix(".png"))
+    text = markdown(report)
+    base.with_suffix(".md").write_text(text)
+    log(
+        f"wrote {base}.json, .md"
+        + (", .png" if report["workloads"] else "")
+        + (f" and profile-{stamp}.json" if step_records else "")
+    )
+    return text
 
 
 if __name__ == "__main__":

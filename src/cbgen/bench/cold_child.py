@@ -80,7 +80,7 @@ def run_cbgen(spec: dict[str, Any], marks: Marks) -> tuple[list[list[list[int]]]
         loader.load_model = original
     marks["engine_ready"] = time.time()
     greedy = spec["temperature"] == 0.0
-    # The same per-request parameters as the warm benchmark (cbgen.bench.engines._cbgen_params).
+    # The same per-request parameters as the warm benchmark (cbgen.bench.cbgen_runner._cbgen_params).
     params = [
         SamplingParams(
             n=spec["n"],
@@ -110,7 +110,7 @@ def run_cbgen(spec: dict[str, Any], marks: Marks) -> tuple[list[list[list[int]]]
 
 
 def left_pad(prompts: list[list[int]], pad: int) -> tuple[Any, Any]:
-    """``(input_ids, attention_mask)`` of a left-padded static batch (shared with ``engines.py``,
+    """``(input_ids, attention_mask)`` of a left-padded static batch (shared with ``hf_runners.py``,
     which imports it from here because this module must stay cheap to import)."""
     import torch
 
@@ -125,7 +125,7 @@ def left_pad(prompts: list[list[int]], pad: int) -> tuple[Any, Any]:
 
 def run_hf_generate(spec: dict[str, Any], marks: Marks) -> tuple[list[list[list[int]]], dict[str, Any]]:
     """``from_pretrained`` and ``generate`` on left-padded static batches, as the warm ``hf-generate``
-    runner does (:func:`cbgen.bench.engines._hf_generate_once`), which this file cannot import."""
+    runner does (:func:`cbgen.bench.hf_runners._hf_generate_once`), which this file cannot import."""
     import torch
     import transformers
     from transformers import AutoModelForCausalLM, GenerationConfig

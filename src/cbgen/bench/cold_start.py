@@ -27,16 +27,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from cbgen.bench.engines import (
+from cbgen.bench.engine_settings import (
     BLOCK_SIZE,
     MAX_NUM_BATCHED_TOKENS,
     MAX_NUM_SEQS,
-    VLLM_RUNNER,
     BenchOptions,
     kv_blocks_needed,
-    vllm_env,
-    vllm_spec,
 )
+from cbgen.bench.vllm_launch import VLLM_RUNNER, vllm_env, vllm_spec
 from cbgen.bench.workloads import Workload
 
 # Engines with a cold-start runner, in the order they are run and reported.

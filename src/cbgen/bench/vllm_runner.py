@@ -101,58 +101,13 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
     from vllm import LLM, SamplingParams
 
     marks["imported"] = time.time()
-    prompts = spec["prompts"]
-    budget = spec.get("max_num_batched_tokens", 2048)
-    longest = max(len(p) + m for p, m in zip(prompts, spec["max_tokens"]))
-    llm = LLM(
-        model=spec["model"],
-        dtype=spec["dtype"],
-        seed=spec.get("seed", 0),
-        # A short context keeps vLLM's start-up checks happy whether or not chunked prefill is on
-        # (without it, the token budget must cover max_model_len).
-        max_model_len=max(budget, longest),
-        max_num_batched_tokens=max(budget, longest),
-        max_num_seqs=spec.get("max_num_seqs", 256),
-        enable_prefix_caching=True,
-    )
+    llm = _start_llm(LLM, spec)
     marks["loaded"] = None  # inside LLM(), together with the engine start
     marks["engine_ready"] = time.time()
-
-    def params(max_tokens: int, n: int) -> Any:
-        # vLLM's top_k/top_p defaults already sample from the full distribution, as cbgen does.
-        sampled = spec["temperature"] > 0
-        return SamplingParams(
-            n=n,
-            temperature=spec["temperature"],
-            max_tokens=max_tokens,
-            ignore_eos=True,
-            detokenize=False,
-            seed=spec.get("seed", 0) if sampled else None,
-        )
-
     if not cold:
         warm = [{"prompt_token_ids": [17, 18, 19, 20, 21, 22, 23, 24]}, {"prompt_token_ids": [31, 32, 33]}]
-        llm.generate(warm, [params(4, 1), params(4, 1)], use_tqdm=False)
-    runs, tokens = [], []
-    for _ in range(1 if cold else int(spec.get("repeats", 3))):
-        # A warm prefix cache from the previous repeat would flatter the later ones (a cold run has none).
-        if not cold and hasattr(llm, "reset_prefix_cache"):
-            llm.reset_prefix_cache()
-        batch = [{"prompt_token_ids": list(p)} for p in prompts]
-        sampling = [params(m, spec.get("n", 1)) for m in spec["max_tokens"]]
-        t0 = time.perf_counter()
-        outputs = llm.generate(batch, sampling, use_tqdm=False)
-        wall = time.perf_counter() - t0
-        marks["outputs_done"] = time.time()
-        tokens = [[list(c.token_ids) for c in sorted(o.outputs, key=lambda c: c.index)] for o in outputs]
-        ttft = [t for t in (_ttft(o) for o in outputs) if t is not None]
-        runs.append(
-            {
-                "wall_s": wall,
-                "output_tokens": sum(len(t) for seqs in tokens for t in seqs),
-                "ttft_s": ttft or None,
-            }
-        )
+        llm.generate(warm, [_params(SamplingParams, spec, 4, 1) for _ in warm], use_tqdm=False)
+    runs, tokens = _timed_runs(llm, SamplingParams, spec, cold, marks)
     return {
         "cold": cold,
         "marks": marks,
@@ -169,6 +124,64 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
         },
         "notes": ["peak RSS: sum of VmHWM of the vLLM process and its engine-core children"],
     }
+
+
+def _start_llm(llm_class: Any, spec: dict[str, Any]) -> Any:
+    """``vllm.LLM`` for the spec's model: loads the weights and starts the engine."""
+    budget = spec.get("max_num_batched_tokens", 2048)
+    longest = max(len(p) + m for p, m in zip(spec["prompts"], spec["max_tokens"]))
+    return llm_class(
+        model=spec["model"],
+        dtype=spec["dtype"],
+        seed=spec.get("seed", 0),
+        # A short context keeps vLLM's start-up checks happy whether or not chunked prefill is on
+        # (without it, the token budget must cover max_model_len).
+        max_model_len=max(budget, longest),
+        max_num_batched_tokens=max(budget, longest),
+        max_num_seqs=spec.get("max_num_seqs", 256),
+        enable_prefix_caching=True,
+    )
+
+
+def _params(params_class: Any, spec: dict[str, Any], max_tokens: int, n: int) -> Any:
+    """``vllm.SamplingParams`` for one request of the spec."""
+    # vLLM's top_k/top_p defaults already sample from the full distribution, as cbgen does.
+    sampled = spec["temperature"] > 0
+    return params_class(
+        n=n,
+        temperature=spec["temperature"],
+        max_tokens=max_tokens,
+        ignore_eos=True,
+        detokenize=False,
+        seed=spec.get("seed", 0) if sampled else None,
+    )
+
+
+def _timed_runs(
+    llm: Any, params_class: Any, spec: dict[str, Any], cold: bool, marks: dict[str, float | None]
+) -> tuple[list[dict[str, Any]], list[list[list[int]]]]:
+    """The timed ``generate`` calls (one if cold) and the last call's token ids."""
+    runs, tokens = [], []
+    for _ in range(1 if cold else int(spec.get("repeats", 3))):
+        # A warm prefix cache from the previous repeat would flatter the later ones (a cold run has none).
+        if not cold and hasattr(llm, "reset_prefix_cache"):
+            llm.reset_prefix_cache()
+        batch = [{"prompt_token_ids": list(p)} for p in spec["prompts"]]
+        sampling = [_params(params_class, spec, m, spec.get("n", 1)) for m in spec["max_tokens"]]
+        t0 = time.perf_counter()
+        outputs = llm.generate(batch, sampling, use_tqdm=False)
+        wall = time.perf_counter() - t0
+        marks["outputs_done"] = time.time()
+        tokens = [[list(c.token_ids) for c in sorted(o.outputs, key=lambda c: c.index)] for o in outputs]
+        ttft = [t for t in (_ttft(o) for o in outputs) if t is not None]
+        runs.append(
+            {
+                "wall_s": wall,
+                "output_tokens": sum(len(t) for seqs in tokens for t in seqs),
+                "ttft_s": ttft or None,
+            }
+        )
+    return runs, tokens
 
 
 def main() -> None:

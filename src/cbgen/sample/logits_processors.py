@@ -18,6 +18,7 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 
 from cbgen.request import Request
+from cbgen.sample.batch_params import BatchParams
 
 
 @runtime_checkable
@@ -115,4 +116,52 @@ class BadWordsProcessor:
         return logits
 
 
-__all__ = ["AllowedTokensProcessor", "BadWordsProcessor", "BatchLogitsProcessor"]
+def run_batch_processors(
+    processors: dict[str, BatchLogitsProcessor],
+    logits: torch.Tensor,
+    params: BatchParams,
+    requests: Sequence[Request],
+    failed: dict[int, str],
+) -> None:
+    """Stage 0: runs each processor the batch names once, in place on ``logits``, over its rows.
+
+    ``processors`` maps names to registered processors, in registration order.  A processor that
+    raises is retried row by row; rows that still fail, or name an unknown processor, get a
+    message in ``failed`` and keep their logits.
+    """
+    vocab = logits.shape[1]
+    # Registration order, not batch order, so the result does not depend on batch composition.
+    names = [n for n in processors if n in params.processor_rows]
+    names += [n for n in params.processor_rows if n not in processors]
+    for name in names:
+        rows = params.processor_rows[name]
+        processor = processors.get(name)
+        if processor is None:
+            for r in rows:
+                failed[r] = f"unknown logits processor {name!r} (known: {sorted(processors)})"
+            continue
+        args = params.processor_args[name]
+        reqs = [requests[r] for r in rows]
+        idx = torch.tensor(rows, dtype=torch.int64, device=logits.device)
+        try:
+            out = processor(logits.index_select(0, idx), idx, list(args), reqs)
+            _check_processor_output(out, len(rows), vocab)
+            logits[idx] = out.to(torch.float32)
+        except Exception:
+            # Isolate the failure: rerun one row at a time and only fail the rows that raise.
+            for j, r in enumerate(rows):
+                try:
+                    out = processor(logits[r : r + 1].clone(), idx[j : j + 1], [args[j]], [reqs[j]])
+                    _check_processor_output(out, 1, vocab)
+                    logits[r] = out[0].to(torch.float32)
+                except Exception as exc:
+                    failed[r] = f"logits processor {name!r} failed: {type(exc).__name__}: {exc}"
+
+
+def _check_processor_output(out: object, rows: int, vocab: int) -> None:
+    if not isinstance(out, torch.Tensor) or tuple(out.shape) != (rows, vocab):
+        shape = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
+        raise ValueError(f"processor returned {shape}, expected a tensor of shape {(rows, vocab)}")
+
+
+__all__ = ["AllowedTokensProcessor", "BadWordsProcessor", "BatchLogitsProcessor", "run_batch_processors"]

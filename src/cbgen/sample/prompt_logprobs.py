@@ -6,7 +6,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from cbgen.sample.processors import logsumexp_rows, topk_desc
+from cbgen.sample.row_ops import logsumexp_rows, topk_desc
 
 if TYPE_CHECKING:
     from cbgen.model.input_batch import PromptLogprobRows
