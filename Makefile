@@ -24,11 +24,12 @@ SERVE_ARGS ?=
 BENCH_ARGS ?= --suite default --cold-start
 
 .DEFAULT_GOAL := help
-.PHONY: help venv install install-test demo test lint format bench serve clean distclean
+.PHONY: help venv install install-test demo test test-suite test-asan fuzz lint format bench serve clean distclean
 
 help:
 	@echo "make demo       generate with the bundled SmolLM2-135M-Instruct (sets up .venv first)"
-	@echo "make test       run the test suite (sets up .venv with test extras first)"
+	@echo "make test       run the test suite, then the C kernel tests under AddressSanitizer (sets up .venv first)"
+	@echo "make fuzz       the long engine fuzz soak (FUZZ_MINUTES=30)"
 	@echo "make lint       ruff check + ruff format --check"
 	@echo "make format     ruff format + ruff check --fix"
 	@echo "make bench      run the default benchmark suite"
@@ -63,8 +64,26 @@ $(VENV)/.installed-test: $(VENV)/.installed
 demo: $(VENV)/.installed
 	$(PY) -m cbgen.demo
 
-test: $(VENV)/.installed-test
+test: test-suite test-asan
+
+test-suite: $(VENV)/.installed-test
 	$(TEST_ENV) $(PY) -m pytest $(PYTEST_ARGS)
+
+# The C kernels' tests again, against a build with AddressSanitizer: an out-of-bounds access aborts
+# the run with a report instead of returning wrong numbers.  Python is not instrumented, so the
+# sanitizer runtime (and libstdc++, whose exceptions it intercepts) is preloaded.
+CC ?= cc
+ASAN_TESTS ?= tests/model/test_arg_checks.py tests/model/test_cpu_kernels.py tests/model/test_fused_decode.py
+test-asan: $(VENV)/.installed-test
+	CBGEN_SANITIZE=address ASAN_OPTIONS=detect_leaks=0 \
+	LD_PRELOAD="$$($(CC) -print-file-name=libasan.so) $$($(CC) -print-file-name=libstdc++.so)" \
+	$(TEST_ENV) $(PY) -m pytest -q --capture=sys $(ASAN_TESTS)
+
+# The engine fuzz test, long: random examples for FUZZ_MINUTES per architecture (CI runs a fixed slice).
+FUZZ_MINUTES ?= 30
+fuzz: $(VENV)/.installed-test
+	FUZZ_RANDOM=1 FUZZ_EXAMPLES=50 FUZZ_SECONDS=$$(( $(FUZZ_MINUTES) * 20 )) \
+	$(TEST_ENV) $(PY) -m pytest -q -s tests/test_engine_fuzz.py
 
 lint: $(VENV)/.installed
 	$(PY) -m ruff check src tests

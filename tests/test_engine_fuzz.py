@@ -36,6 +36,7 @@ from tiny_models import make_model
 VOCAB = 128
 EXAMPLES = int(os.environ.get("FUZZ_EXAMPLES", "12"))
 DERANDOMIZE = os.environ.get("FUZZ_RANDOM") != "1"
+SECONDS = float(os.environ.get("FUZZ_SECONDS", "0"))  # soak: repeat rounds of EXAMPLES until spent
 BASE_MODELS = {
     arch: make_model(arch, vocab_size=VOCAB, max_position_embeddings=256)
     for arch in ("llama", "qwen2", "gemma2")
@@ -224,5 +225,10 @@ def test_engine_fuzz(arch):
         config, ops = scenario
         _run(arch, config, ops)
 
-    run()
-    print(f"{arch}: {EXAMPLES} examples in {time.monotonic() - start:.1f}s")
+    rounds = 0
+    while True:
+        run()
+        rounds += 1
+        if time.monotonic() - start >= SECONDS:
+            break
+    print(f"{arch}: {rounds * EXAMPLES} examples in {time.monotonic() - start:.1f}s")

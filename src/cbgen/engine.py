@@ -133,7 +133,9 @@ class Engine:
         self.runner.warmup()
         # Short prefill chunks as decode-kernel rows: measured on the C kernels only (see input_batch).
         row_prefill = self.runner.attn_backend.row_prefill_max
-        self.input_builder = InputBuilder(config.block_size, self.device, row_prefill_max=row_prefill)
+        self.input_builder = InputBuilder(
+            config.block_size, self.device, row_prefill_max=row_prefill, num_blocks=num_blocks
+        )
         user_names = {p.name for p in logits_processors}
         builtins = [p for p in (AllowedTokensProcessor(), BadWordsProcessor()) if p.name not in user_names]
         self.sampler = Sampler(self.vocab_size, [*builtins, *logits_processors], seed=config.seed)

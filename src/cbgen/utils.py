@@ -5,10 +5,11 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import logging
-import os
 import sys
 
 import torch
+
+from cbgen import envs
 
 _PACKAGE_LOGGER = "cbgen"
 _LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -30,7 +31,7 @@ def get_logger(name: str) -> logging.Logger:
             handler = logging.StreamHandler(sys.stderr)
             handler.setFormatter(logging.Formatter(_LOG_FORMAT, datefmt="%H:%M:%S"))
             pkg.addHandler(handler)
-            level = os.environ.get("CBGEN_LOG_LEVEL", "INFO").upper()
+            level = (envs.get("CBGEN_LOG_LEVEL") or "INFO").upper()
             pkg.setLevel(getattr(logging, level, logging.INFO))
         _handler_installed = True
     if name != _PACKAGE_LOGGER and not name.startswith(_PACKAGE_LOGGER + "."):

@@ -7,7 +7,7 @@ import torch
 from paged_cases import LENS, NUM_BLOCKS, check_decode, make_case
 
 from cbgen import LLM, SamplingParams
-from cbgen.model import cpu_kernels, paged_ops
+from cbgen.model import cpu_amx, cpu_kernels, paged_ops
 from cbgen.model.backends import choose_backend
 
 pytestmark = pytest.mark.skipif(
@@ -126,9 +126,7 @@ def test_engine_backends_agree(arch: str) -> None:
     assert runs["cpu"] == runs["torch"]
 
 
-amx_only = pytest.mark.skipif(
-    not cpu_kernels.amx_available(), reason="no AMX-BF16 on this CPU (or not granted)"
-)
+amx_only = pytest.mark.skipif(not cpu_amx.amx_available(), reason="no AMX-BF16 on this CPU (or not granted)")
 
 
 @amx_only
@@ -146,7 +144,7 @@ def test_amx_linear_matches_float32_reference(rows: int, n: int, k: int, bias: b
     b = torch.randn(n, generator=gen).to(torch.bfloat16) if bias else None
     wide = torch.randn(rows, k + 32, generator=gen).to(torch.bfloat16)
     x = wide[:, 16 : 16 + k]  # row stride k + 32
-    got = cpu_kernels.amx_linear(x, cpu_kernels.amx_pack(weight), b)
+    got = cpu_amx.amx_linear(x, cpu_amx.amx_pack(weight), b)
     exact = x.float() @ weight.float().T + (b.float() if bias else 0)
     assert got.shape == (rows, n) and got.dtype == torch.bfloat16
     torch.testing.assert_close(got.float(), exact, rtol=2**-7, atol=1e-3)
@@ -156,7 +154,7 @@ def test_amx_linear_matches_float32_reference(rows: int, n: int, k: int, bias: b
 @amx_only
 def test_amx_rejects_shapes_it_does_not_tile() -> None:
     """Sides that are not multiples of 32 are not packed (the caller keeps oneDNN for those)."""
-    assert cpu_kernels.amx_supports(torch.zeros(64, 96, dtype=torch.bfloat16))
-    assert not cpu_kernels.amx_supports(torch.zeros(48, 96, dtype=torch.bfloat16))
-    assert not cpu_kernels.amx_supports(torch.zeros(64, 40, dtype=torch.bfloat16))
-    assert not cpu_kernels.amx_supports(torch.zeros(64, 96, dtype=torch.float32))
+    assert cpu_amx.amx_supports(torch.zeros(64, 96, dtype=torch.bfloat16))
+    assert not cpu_amx.amx_supports(torch.zeros(48, 96, dtype=torch.bfloat16))
+    assert not cpu_amx.amx_supports(torch.zeros(64, 40, dtype=torch.bfloat16))
+    assert not cpu_amx.amx_supports(torch.zeros(64, 96, dtype=torch.float32))

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from cbgen import LLM, SamplingParams
-from cbgen.model import cpu_kernels, fused_decode
+from cbgen.model import cpu_amx, cpu_kernels, fused_decode
 from cbgen.model.fused_decode import FusedDecoder
 from oracle import compare, hf_greedy
 from tiny_models import make_model, make_prompts
@@ -135,7 +135,7 @@ def test_bf16_close_to_module_path(monkeypatch, size) -> None:
     assert decode_steps >= len(prompts) - 1
 
 
-@pytest.mark.skipif(not cpu_kernels.amx_available(), reason="no AMX-BF16 on this CPU (or not granted)")
+@pytest.mark.skipif(not cpu_amx.amx_available(), reason="no AMX-BF16 on this CPU (or not granted)")
 @pytest.mark.parametrize("bias", [False, True])
 def test_c_decoder_step_equals_python_loop(monkeypatch, bias) -> None:
     """The one-call C decode step (csrc/cpu_decoder.c) computes exactly what the Python loop over
@@ -145,13 +145,13 @@ def test_c_decoder_step_equals_python_loop(monkeypatch, bias) -> None:
     prompts = make_prompts(40, lengths=(3, 30))
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=3)
     c_steps = [0]
-    original = cpu_kernels.decoder_step
+    original = cpu_amx.decoder_step
 
     def counting(*args, **kwargs):
         c_steps[0] += 1
         return original(*args, **kwargs)
 
-    monkeypatch.setattr(cpu_kernels, "decoder_step", counting)
+    monkeypatch.setattr(cpu_amx, "decoder_step", counting)
     with_c = _run(model, prompts, params)
     used = c_steps[0]
     assert used >= 11  # every decode step (the first token comes from prefill steps)
@@ -254,7 +254,7 @@ def _assert_linear(out: torch.Tensor, x: torch.Tensor, layer: nn.Linear) -> None
     whose fp32 sums may be added in another order than torch's (then: the float32 result rounded
     to bf16, within one bf16 ulp)."""
     want = nn.functional.linear(x, layer.weight, layer.bias)
-    if x.dtype == torch.bfloat16 and cpu_kernels.amx_available():
+    if x.dtype == torch.bfloat16 and cpu_amx.amx_available():
         exact = nn.functional.linear(
             x.float(), layer.weight.float(), layer.bias.float() if layer.bias is not None else None
         )

@@ -24,13 +24,13 @@ import shutil
 import subprocess
 import tempfile
 import threading
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from cbgen import envs
 from cbgen.model import paged_ops
-from cbgen.utils import advise_huge_pages
+from cbgen.model.arg_checks import check_decode, check_rows, check_store
 
 log = logging.getLogger("cbgen")
 
@@ -38,13 +38,15 @@ _CSRC = Path(__file__).parent / "csrc"
 _SOURCES = [_CSRC / name for name in ("cpu_paged.c", "cpu_fused.c", "cpu_gemm.c", "cpu_decoder.c")]
 _HEADERS = [_CSRC / "cbgen_numerics.h"]
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=c11"]
+# CBGEN_SANITIZE=address: a separate build of the same sources (the flags are part of the cache key)
+# whose out-of-bounds accesses abort with a report.  The Python process must preload the runtime:
+# LD_PRELOAD=$(cc -print-file-name=libasan.so) ASAN_OPTIONS=detect_leaks=0 (see `make test-asan`).
+_SANITIZE_FLAGS = {"address": ["-fsanitize=address", "-fno-omit-frame-pointer", "-g"]}
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
 _error: str | None = None
-_amx: bool | None = None
-_layout: DecoderLayout | None = None
 
 
 def _cpu_signature() -> str:
@@ -57,16 +59,20 @@ def _cpu_signature() -> str:
 
 
 def _cache_dir() -> Path:
-    root = os.environ.get("CBGEN_KERNEL_DIR")
+    root = envs.get("CBGEN_KERNEL_DIR")
     return Path(root) if root else Path.home() / ".cache" / "cbgen" / "kernels"
 
 
 def _build() -> ctypes.CDLL:
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    compiler = envs.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if not compiler:
         raise RuntimeError("no C compiler found (set CC)")
+    sanitize = envs.get("CBGEN_SANITIZE") or ""
+    if sanitize and sanitize not in _SANITIZE_FLAGS:
+        raise RuntimeError(f"CBGEN_SANITIZE={sanitize!r}: only 'address' is supported")
+    flags = [*_FLAGS, *_SANITIZE_FLAGS.get(sanitize, [])]
     source = b"".join(path.read_bytes() for path in [*_SOURCES, *_HEADERS])
-    key = hashlib.sha256(source + " ".join([compiler, *_FLAGS]).encode() + _cpu_signature().encode())
+    key = hashlib.sha256(source + " ".join([compiler, *flags]).encode() + _cpu_signature().encode())
     target = _cache_dir() / f"cpu_paged-{key.hexdigest()[:16]}.so"
     if not target.exists():
         target.parent.mkdir(parents=True, exist_ok=True)
@@ -74,7 +80,7 @@ def _build() -> ctypes.CDLL:
         with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
             out = Path(tmp) / target.name
             proc = subprocess.run(
-                [compiler, *_FLAGS, f"-I{_CSRC}", *map(str, _SOURCES), "-o", str(out), "-lm"],
+                [compiler, *flags, f"-I{_CSRC}", *map(str, _SOURCES), "-o", str(out), "-lm"],
                 capture_output=True,
                 text=True,
                 timeout=120,
@@ -85,6 +91,8 @@ def _build() -> ctypes.CDLL:
         log.info("cbgen: built CPU paged-attention kernels into %s", target)
     lib = ctypes.CDLL(str(target))
     i64, i32, f32, ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_float, ctypes.c_void_p
+    # q, q_stride, k, v, table, table_stride, table_width, seq_lens, out, B, H, Hkv, D, bs, num_blocks,
+    # scale, window, softcap, dtype, impl
     lib.cbgen_paged_decode.argtypes = [
         ptr,
         i64,
@@ -92,6 +100,7 @@ def _build() -> ctypes.CDLL:
         ptr,
         ptr,
         i64,
+        i64,
         ptr,
         ptr,
         i64,
@@ -99,14 +108,11 @@ def _build() -> ctypes.CDLL:
         i32,
         i32,
         i32,
-        f32,
         i64,
-        f32,
-        i32,
-        i32,
     ]
+    lib.cbgen_paged_decode.argtypes += [f32, i64, f32, i32, i32]
     lib.cbgen_paged_decode.restype = i32
-    lib.cbgen_store_kv.argtypes = [ptr, i64, ptr, i64, ptr, ptr, ptr, i64, i64, i32]
+    lib.cbgen_store_kv.argtypes = [ptr, i64, ptr, i64, ptr, ptr, ptr, i64, i64, i32, i64]
     lib.cbgen_store_kv.restype = i32
     lib.cbgen_add_rmsnorm.argtypes = [ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, f32, i32]
     lib.cbgen_rope.argtypes = [ptr, ptr, ptr, ptr, i64, i32, i32, i32, i64, i64, i32]
@@ -114,8 +120,8 @@ def _build() -> ctypes.CDLL:
     lib.cbgen_greedy_rows.argtypes = [ptr, i64, i64, i64, ptr, ptr, ptr, i32]
     lib.cbgen_amx_linear.argtypes = [ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64]
     lib.cbgen_amx_init.argtypes = []
-    lib.cbgen_decoder_step.argtypes = [ptr, ptr, i32, ptr, f32, *[ptr] * 10, i64, ptr, ptr, i64, i64]
-    lib.cbgen_decoder_step.argtypes += [i32, i32, i32, i64, i32]
+    lib.cbgen_decoder_step.argtypes = [ptr, ptr, i32, ptr, f32, *[ptr] * 10, i64, i64, ptr, ptr, i64, i64]
+    lib.cbgen_decoder_step.argtypes += [i32, i32, i32, i64, i32, i64]
     lib.cbgen_decoder_layout.argtypes = [ctypes.POINTER(i64), ctypes.POINTER(i64)]
     lib.cbgen_decoder_layout.restype = ctypes.c_char_p
     for fn in (
@@ -133,17 +139,22 @@ def _build() -> ctypes.CDLL:
 
 def available() -> bool:
     """True when the kernels are built (building them on the first call) and loadable here."""
-    global _lib, _error, _layout
+    global _lib, _error
     with _lock:
         if _lib is None and _error is None:
             try:
-                lib = _build()
-                _layout = _read_layout(lib)
-                _lib = lib
+                _lib = _build()
             except Exception as exc:  # any failure means "use the torch path", reported once
                 _error = str(exc)
                 log.warning("cbgen: CPU paged-attention kernels unavailable (%s); using the torch path", exc)
         return _lib is not None
+
+
+def library() -> ctypes.CDLL:
+    """The loaded kernel library (for the modules that wrap its other entry points)."""
+    if not available():
+        raise RuntimeError(f"the CPU kernels are not available: {_error}")
+    return _lib
 
 
 def unavailable_reason() -> str | None:
@@ -187,6 +198,11 @@ def decode_direct(
     contiguous, any row stride), int32 ``block_table``/``seq_lens``; ``window``/``softcap`` 0 = off.
     ``portable`` forces the plain C loops instead of the AVX-512 ones (for tests).  ``out``: a
     contiguous ``[B, H, D]`` tensor to write into (default: a new one)."""
+    check_decode(query, k_cache, v_cache, block_table, seq_lens)
+    if query.dtype not in _DTYPES or query.dtype != k_cache.dtype or query.device.type != "cpu":
+        raise ValueError(
+            f"query and cache must be float32 or bfloat16 CPU tensors of one dtype, got {query.dtype}"
+        )
     num_rows, heads, dim = query.shape
     if out is None:
         out = torch.empty((num_rows, heads, dim), dtype=query.dtype)
@@ -199,6 +215,7 @@ def decode_direct(
         v_cache.data_ptr(),
         block_table.data_ptr(),
         block_table.stride(0),
+        block_table.shape[1],
         seq_lens.data_ptr(),
         out.data_ptr(),
         num_rows,
@@ -206,6 +223,7 @@ def decode_direct(
         k_cache.shape[2],
         dim,
         k_cache.shape[1],
+        k_cache.shape[0],
         scale,
         window,
         softcap,
@@ -213,8 +231,18 @@ def decode_direct(
         1 if portable else 0,
     )
     if rc:
-        raise RuntimeError(f"cbgen_paged_decode failed with code {rc}")
+        raise _decode_error(rc)
     return out
+
+
+def _decode_error(rc: int) -> Exception:
+    if rc == 4:
+        return ValueError(
+            "cbgen_paged_decode: a block id or sequence length lies outside the cache or its table"
+        )
+    if rc == 3:
+        return MemoryError("cbgen_paged_decode could not allocate its work buffers")
+    return ValueError(f"cbgen_paged_decode rejected its sizes (code {rc})")
 
 
 @_decode_op.register_fake
@@ -233,9 +261,14 @@ def store_direct(
     key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor
 ) -> None:
     """The KV store without the custom-op layer: ``key``/``value`` ``[T, Hkv * D]`` of the cache's
-    dtype (rows contiguous, any row stride), int64 ``slots``."""
+    dtype (rows contiguous, any row stride), int64 ``slots`` (-1: nowhere)."""
+    check_store(key, value, k_cache, v_cache, slots)
+    if key.dtype != k_cache.dtype or value.dtype != k_cache.dtype or k_cache.device.type != "cpu":
+        raise ValueError(
+            f"key/value ({key.dtype}, {value.dtype}) must have the cache's dtype {k_cache.dtype}"
+        )
     row = k_cache.shape[-2] * k_cache.shape[-1]
-    _lib.cbgen_store_kv(
+    rc = _lib.cbgen_store_kv(
         key.data_ptr(),
         key.stride(0),
         value.data_ptr(),
@@ -246,7 +279,10 @@ def store_direct(
         slots.numel(),
         row,
         k_cache.element_size(),
+        k_cache.shape[0] * k_cache.shape[1],
     )
+    if rc:
+        raise ValueError("cbgen_store_kv: a slot lies outside the cache")
 
 
 def paged_decode_attention(
@@ -307,6 +343,11 @@ def add_rmsnorm(
 ) -> torch.Tensor:
     """``x += delta`` (skipped when ``delta`` is None), then ``out = weight * rmsnorm(x)``, row-wise."""
     rows, n = x.shape
+    dtype = _dtype_of(x)
+    check_rows("out", out, rows, n, dtype)
+    if delta is not None:
+        check_rows("delta", delta, rows, n, dtype)
+    check_rows("weight", weight.view(1, -1), 1, n, dtype)
     _lib.cbgen_add_rmsnorm(
         x.data_ptr(),
         None if delta is None else delta.data_ptr(),
@@ -327,6 +368,24 @@ def rope_(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     """Rotate-half rotary embedding in place on ``q [T, H*D]`` and ``k [T, Hk*D]`` (``cos``/``sin``
     contiguous ``[T, D]``)."""
     tokens = q.shape[0]
+    dtype = _dtype_of(q)
+    if (
+        head_dim <= 0
+        or head_dim % 2
+        or q.dim() != 2
+        or q.shape[1] % head_dim
+        or k.dim() != 2
+        or k.shape[1] % head_dim
+    ):
+        raise ValueError(
+            f"rope_: q {tuple(q.shape)} and k {tuple(k.shape)} must be [T, heads * {head_dim}] (even)"
+        )
+    check_rows("q", q, tokens, q.shape[1], dtype)
+    check_rows("k", k, tokens, k.shape[1], dtype)
+    for name, t in (("cos", cos), ("sin", sin)):
+        check_rows(name, t, tokens, head_dim, dtype)
+        if not t.is_contiguous():
+            raise ValueError(f"rope_: {name} must be contiguous")
     _lib.cbgen_rope(
         q.data_ptr(),
         k.data_ptr(),
@@ -345,6 +404,9 @@ def rope_(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
 def silu_mul(gate: torch.Tensor, up: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     """``out = silu(gate) * up`` row-wise."""
     rows, n = gate.shape
+    dtype = _dtype_of(gate)
+    check_rows("up", up, rows, n, dtype)
+    check_rows("out", out, rows, n, dtype)
     _lib.cbgen_silu_mul(
         gate.data_ptr(),
         up.data_ptr(),
@@ -363,7 +425,10 @@ def greedy_rows(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch
     """For each row of float32 or bfloat16 ``logits [B, V]`` (unit column stride): the first index of
     its maximum (NaN counts as the maximum), the maximum (float32), and its log-sum-exp in float64
     (NaN / +-inf when the maximum is not finite)."""
+    if logits.dim() != 2:
+        raise ValueError(f"greedy_rows: logits must be [B, V], got {tuple(logits.shape)}")
     rows, vocab = logits.shape
+    check_rows("logits", logits, rows, vocab, _dtype_of(logits))
     argmax = torch.empty(rows, dtype=torch.int64)
     maxv = torch.empty(rows, dtype=torch.float32)
     lse = torch.empty(rows, dtype=torch.float64)
@@ -382,170 +447,7 @@ def greedy_rows(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch
     return argmax, maxv, lse
 
 
-# ------------------------------------------------------------------------------------------- AMX GEMM
-
-
-def amx_available() -> bool:
-    """Whether the bf16 AMX projections of ``csrc/cpu_gemm.c`` run here: the kernels are built for a
-    CPU with AMX-BF16 and the OS granted this process the tile state."""
-    global _amx
-    if _amx is None:
-        _amx = available() and os.environ.get("CBGEN_AMX", "1") != "0" and _lib.cbgen_amx_init() == 1
-    return _amx
-
-
-def amx_supports(weight: torch.Tensor) -> bool:
-    """Whether :func:`amx_pack` takes ``weight`` (bf16 ``[N, K]`` with N and K multiples of 32)."""
-    return (
-        weight.dtype == torch.bfloat16
-        and weight.dim() == 2
-        and not weight.shape[0] % 32
-        and not weight.shape[1] % 32
-    )
-
-
-def amx_pack(weight: torch.Tensor) -> torch.Tensor:
-    """``weight [N, K]`` rearranged into the tile layout :func:`amx_linear` streams (a copy, on huge
-    pages where granted; see ``csrc/cpu_gemm.c``)."""
-    n, k = weight.shape
-    tiles = weight.detach().view(n // 32, 2, 16, k // 32, 16, 2).permute(0, 3, 1, 4, 2, 5)
-    return advise_huge_pages(torch.empty(tiles.shape, dtype=weight.dtype)).copy_(tiles)
-
-
-def amx_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """``F.linear(x, weight, bias)`` from ``packed = amx_pack(weight)``; ``x [M, K]`` bf16 with unit
-    column stride, ``bias`` bf16 or None."""
-    if x.stride(1) != 1:
-        x = x.contiguous()
-    rows, k = x.shape
-    n = packed.shape[0] * 32
-    out = torch.empty((rows, n), dtype=x.dtype)
-    rc = _lib.cbgen_amx_linear(
-        x.data_ptr(),
-        x.stride(0),
-        packed.data_ptr(),
-        None if bias is None else bias.data_ptr(),
-        out.data_ptr(),
-        n,
-        rows,
-        n,
-        k,
-    )
-    if rc:
-        raise RuntimeError(
-            f"cbgen_amx_linear failed with code {rc} for x {tuple(x.shape)}, weight [{n}, {k}]"
-        )
-    return out
-
-
-@dataclass(frozen=True)
-class DecoderLayout:
-    """The layer records of :func:`decoder_step`: ``words`` int64 and ``floats`` float32 entries a
-    layer, whose first entries are the named fields in order.
-
-    ``csrc/cpu_decoder.c`` defines the layout (one field list that makes its enums) and the library
-    reports it when it loads (:func:`decoder_layout`): the C source stays the one place it is written
-    down, and the build needs no generated header.  Python names the fields it fills, and
-    :meth:`records` refuses any other set of names, so a field added, dropped or moved in C fails at
-    the first record built instead of being read from the wrong slot."""
-
-    words: int
-    floats: int
-    word_fields: tuple[str, ...]
-    float_fields: tuple[str, ...]
-
-    def records(
-        self, words: list[dict[str, int]], floats: list[dict[str, float]]
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``words [L, self.words]`` and ``floats [L, self.floats]`` from each layer's field values by
-        name (every field exactly once; unused entries zero)."""
-        return (
-            _records(words, self.word_fields, self.words, torch.int64),
-            _records(floats, self.float_fields, self.floats, torch.float32),
-        )
-
-
-def _records(rows: list[dict], fields: tuple[str, ...], width: int, dtype: torch.dtype) -> torch.Tensor:
-    table = []
-    for row in rows:
-        if row.keys() != set(fields):
-            raise ValueError(f"decoder record fields {sorted(row)} are not the library's {list(fields)}")
-        table.append([row[name] for name in fields] + [0] * (width - len(fields)))
-    return torch.tensor(table, dtype=dtype).reshape(len(rows), width)
-
-
-def _read_layout(lib: ctypes.CDLL) -> DecoderLayout:
-    words, floats = ctypes.c_int64(), ctypes.c_int64()
-    text = lib.cbgen_decoder_layout(ctypes.byref(words), ctypes.byref(floats)).decode()
-    word_part, float_part = text.split(";")
-    layout = DecoderLayout(words.value, floats.value, tuple(word_part.split()), tuple(float_part.split()))
-    if len(layout.word_fields) > layout.words or len(layout.float_fields) > layout.floats:
-        raise RuntimeError(f"cbgen_decoder_layout reports more fields than record entries: {layout}")
-    return layout
-
-
-def decoder_layout() -> DecoderLayout:
-    """The layer-record layout of :func:`decoder_step` (the kernels must be :func:`available`)."""
-    if _layout is None:
-        raise RuntimeError("the CPU kernels are not loaded")
-    return _layout
-
-
-def decoder_step(
-    words: torch.Tensor,
-    floats: torch.Tensor,
-    first_norm: tuple[torch.Tensor, float],
-    hidden: torch.Tensor,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
-    table: torch.Tensor,
-    seq_lens: torch.Tensor,
-    slots: torch.Tensor,
-    heads: int,
-    kv_heads: int,
-    head_dim: int,
-    intermediate: int,
-    block_size: int,
-) -> torch.Tensor:
-    """Runs every decoder layer of a bf16 decode step in C (``csrc/cpu_decoder.c``) over the
-    residual stream ``hidden [T, E]`` (updated in place) and returns the final norm's output
-    ``[T, E]``.  ``words`` / ``floats`` describe the layers (:meth:`DecoderLayout.records`)."""
-    tokens, width = hidden.shape
-    qd, kd = heads * head_dim, kv_heads * head_dim
-    x = torch.empty_like(hidden)
-    qkv = hidden.new_empty((tokens, qd + 2 * kd))
-    attn = hidden.new_empty((tokens, qd))
-    gate_up = hidden.new_empty((tokens, 2 * intermediate))
-    act = hidden.new_empty((tokens, intermediate))
-    delta = torch.empty_like(hidden)
-    rc = _lib.cbgen_decoder_step(
-        words.data_ptr(),
-        floats.data_ptr(),
-        words.shape[0],
-        first_norm[0].data_ptr(),
-        first_norm[1],
-        hidden.data_ptr(),
-        x.data_ptr(),
-        qkv.data_ptr(),
-        attn.data_ptr(),
-        gate_up.data_ptr(),
-        act.data_ptr(),
-        delta.data_ptr(),
-        cos.data_ptr(),
-        sin.data_ptr(),
-        table.data_ptr(),
-        table.stride(0),
-        seq_lens.data_ptr(),
-        slots.data_ptr(),
-        tokens,
-        width,
-        heads,
-        kv_heads,
-        head_dim,
-        intermediate,
-        block_size,
-    )
-    if rc:
-        layer, stage = divmod(rc - 1, 16)
-        raise RuntimeError(f"cbgen_decoder_step failed in layer {layer}, stage {stage}")
-    return x
+def _dtype_of(t: torch.Tensor) -> torch.dtype:
+    if t.dtype not in _DTYPES:
+        raise ValueError(f"the CPU kernels take float32 or bfloat16 tensors, got {t.dtype}")
+    return t.dtype

@@ -38,6 +38,7 @@ from dataclasses import dataclass
 import torch
 
 from cbgen.model import paged_ops
+from cbgen.model.arg_checks import check_decode
 
 log = logging.getLogger("cbgen")
 
@@ -234,11 +235,10 @@ def paged_decode_attention(
     ``query.dtype``.
     """
     del max_seq_len
+    check_decode(query, k_cache, v_cache, block_table, seq_lens, index_dtype=None)
     fn = _FLASH.fn
     if fn is None:
         raise RuntimeError(f"the flash_attn backend needs flash-attn >= 2.6: {_FLASH.error}")
-    if query.dim() != 3:
-        raise ValueError(f"query must be [B, H, D]; got {tuple(query.shape)}")
     if query.shape[0] == 0:  # flash rejects an empty batch
         return torch.empty_like(query)
     out_dtype = query.dtype

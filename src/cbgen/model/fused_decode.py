@@ -24,7 +24,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from cbgen.model import cpu_kernels
+from cbgen.model import cpu_amx, cpu_kernels
 from cbgen.model.attention import AttentionMetadata
 from cbgen.model.backends import CpuBackend
 
@@ -143,17 +143,17 @@ def _pack_ops(dtype: torch.dtype):
             dnn = torch.ops.mkldnn
             if not dnn._is_mkldnn_bf16_supported():
                 return None
-            amx = cpu_kernels.amx_available()
+            amx = cpu_amx.amx_available()
 
             def bf16_pack(w):
-                if amx and cpu_kernels.amx_supports(w):
-                    return cpu_kernels.amx_pack(w)
+                if amx and cpu_amx.amx_supports(w):
+                    return cpu_amx.amx_pack(w)
                 return dnn._reorder_linear_weight(w, _PACK_ROWS)
 
             def bf16_apply(x, packed, w, b):
                 if packed.dim() != 6:  # oneDNN's
                     return dnn._linear_pointwise(x, packed, b, "none", [], "")
-                return cpu_kernels.amx_linear(x, packed, b) if x.shape[0] <= _AMX_MAX_ROWS else None
+                return cpu_amx.amx_linear(x, packed, b) if x.shape[0] <= _AMX_MAX_ROWS else None
 
             return (bf16_pack, bf16_apply)
     except (AttributeError, RuntimeError):
@@ -480,7 +480,7 @@ class FusedDecoder:
         self._linear.entry((plan.lm_head,))
 
     def _c_layers(self, plan: _Plan, linear: PackedLinears, meta: AttentionMetadata) -> tuple | None:
-        """The layer records of :func:`cbgen.model.cpu_kernels.decoder_step` for this plan, packed
+        """The layer records of :func:`cbgen.model.cpu_amx.decoder_step` for this plan, packed
         weights and KV cache, or None when the model does not fit it (see :meth:`_build_c_layers`).
         Rebuilt only when one of those changes."""
         key = (id(plan), id(linear), linear.generation, meta.kv_caches[0][0].data_ptr(), len(meta.kv_caches))
@@ -492,16 +492,16 @@ class FusedDecoder:
 
     @staticmethod
     def _build_c_layers(plan: _Plan, linear: PackedLinears, meta: AttentionMetadata) -> tuple | None:
-        """(words, floats, (heads, kv heads, head_dim, intermediate, block size)) when every layer's
+        """(words, floats, (heads, kv heads, head_dim, intermediate, block size, blocks)) when every layer's
         projections are AMX-packed, bf16, with uniform shapes and no q/k norms; else None.  Records
-        are filled by field name, in the layout the library reports (cpu_kernels.decoder_layout)."""
-        if plan.dtype != torch.bfloat16 or not cpu_kernels.amx_available():
+        are filled by field name, in the layout the library reports (cpu_amx.decoder_layout)."""
+        if plan.dtype != torch.bfloat16 or not cpu_amx.amx_available():
             return None
         first = plan.layers[0]
         d = first.head_dim
         heads, kv_heads = first.qkv[0].weight.shape[0] // d, first.qkv[1].weight.shape[0] // d
         inter = first.gate_up[0].weight.shape[0]
-        block_size = meta.kv_caches[0][0].shape[1]
+        num_blocks, block_size = meta.kv_caches[0][0].shape[:2]
         words, floats = [], []
         for layer, next_norm in zip(plan.layers, plan.next_norms):
             k_cache, v_cache = meta.kv_caches[layer.layer_idx]
@@ -512,7 +512,8 @@ class FusedDecoder:
                 or (q.weight.shape[0], k.weight.shape[0], v.weight.shape[0])
                 != (heads * d, kv_heads * d, kv_heads * d)
                 or layer.gate_up[0].weight.shape[0] != inter
-                or tuple(k_cache.shape[1:]) != (block_size, kv_heads, d)
+                or tuple(k_cache.shape) != (num_blocks, block_size, kv_heads, d)
+                or v_cache.shape != k_cache.shape
                 or k_cache.dtype != torch.bfloat16
                 or any(w.dtype != torch.bfloat16 for w in (layer.post_norm[0], next_norm[0]))
             ):
@@ -529,8 +530,8 @@ class FusedDecoder:
             row.update(K_CACHE=k_cache.data_ptr(), V_CACHE=v_cache.data_ptr(), WINDOW=layer.window)
             words.append(row)
             floats.append({"POST_EPS": layer.post_norm[1], "NEXT_EPS": next_norm[1], "SCALE": layer.scaling})
-        records = cpu_kernels.decoder_layout().records(words, floats)
-        return (*records, (heads, kv_heads, d, inter, block_size))
+        records = cpu_amx.decoder_layout().records(words, floats)
+        return (*records, (heads, kv_heads, d, inter, block_size, num_blocks))
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor, meta: AttentionMetadata
@@ -555,7 +556,7 @@ class FusedDecoder:
             c_layers = self._c_layers(plan, linear, meta) if tokens <= _AMX_MAX_ROWS else None
             if c_layers is not None:
                 words, floats, dims = c_layers
-                x = cpu_kernels.decoder_step(
+                x = cpu_amx.decoder_step(
                     words, floats, plan.layers[0].in_norm, hidden, cos, sin, table, seq_lens, slots, *dims
                 )
                 return linear(x.index_select(0, rows), plan.lm_head, False)

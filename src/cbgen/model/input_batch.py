@@ -54,9 +54,14 @@ class ModelInput:
 class InputBuilder:
     """Builds :class:`ModelInput` for the runner."""
 
-    def __init__(self, block_size: int, device: torch.device, row_prefill_max: int = 0) -> None:
+    def __init__(
+        self, block_size: int, device: torch.device, row_prefill_max: int = 0, num_blocks: int | None = None
+    ) -> None:
         self.block_size = block_size
         self.device = device
+        # The cache's size: every block id and slot of a step is checked against it on the host,
+        # before it reaches a device kernel that could not check it without a sync.
+        self.num_blocks = num_blocks
         # Prefill chunks of at most this many tokens are attended by the decode kernel, one row per
         # query token (see AttentionMetadata.row_prefill_*); 0 = never.
         self.row_prefill_max = row_prefill_max
@@ -69,122 +74,167 @@ class InputBuilder:
 
     def build(self, scheduled: list[tuple[Request, int]], kv_caches: list) -> ModelInput:
         """Packs the scheduled tokens; see the module docstring for the layout."""
-        bs = self.block_size
         decodes = [(r, n) for r, n in scheduled if n == 1]
         prefills = [(r, n) for r, n in scheduled if n != 1]
         order = decodes + prefills
-        nd = len(decodes)
-
-        token_chunks: list[list[int]] = []
-        pos_chunks: list[np.ndarray] = []
-        slot_chunks: list[np.ndarray] = []
-
-        decode_bt = decode_lens = None
-        decode_max_len = 0
-        if nd:
-            computed = np.fromiter((r.num_computed_tokens for r, _ in decodes), dtype=np.int64, count=nd)
-            # A pending token (overlap scheduling) is not known yet: 0 holds its place until the
-            # runner patches in the device-side value (``pending_rows``).
-            token_chunks.append([0 if r.pending else r.token_ids[r.num_computed_tokens] for r, _ in decodes])
-            lens = computed + 1
-            decode_max_len = int(lens.max())
-            width = -(-decode_max_len // bs)
-            # One flat fill instead of a numpy slice assignment per row (~1 us each, every step).
-            flat: list[int] = []
-            counts: list[int] = []
-            for r, _ in decodes:
-                ids = r.block_ids[:width]
-                flat.extend(ids)
-                counts.append(len(ids))
-            table = np.zeros((nd, width), dtype=np.int64)
-            table[np.arange(width) < np.array(counts)[:, None]] = flat
-            slot_chunks.append(table[np.arange(nd), computed // bs] * bs + computed % bs)
-            pos_chunks.append(computed)
-            decode_bt = self._to_device(table, torch.int32)
-            decode_lens = self._to_device(lens, torch.int32)
-
-        prefill_seqs: list[PrefillSeq] = []
-        row_idx: list[np.ndarray] = []
-        row_tables: list[tuple[np.ndarray, int]] = []  # (block ids, how many rows use them)
-        q_start = nd
-        for r, n in prefills:
-            c = r.num_computed_tokens
-            token_chunks.append(r.token_ids[c : c + n])
-            pos = np.arange(c, c + n, dtype=np.int64)
-            blocks = np.asarray(r.block_ids, dtype=np.int64)
-            slot_chunks.append(blocks[pos // bs] * bs + pos % bs)
-            pos_chunks.append(pos)
-            as_rows = n <= self.row_prefill_max
-            if as_rows:
-                row_idx.append(np.arange(q_start, q_start + n, dtype=np.int64))
-                row_tables.append((blocks[: -(-(c + n) // bs)], n))
-            table = (
-                self._to_device(blocks[: -(-(c + n) // bs)], torch.int32) if c > 0 and not as_rows else None
-            )
-            prefill_seqs.append(PrefillSeq(q_start, n, c, table, as_rows=as_rows))
-            q_start += n
-
-        input_ids = (
-            np.concatenate([np.asarray(chunk, dtype=np.int64) for chunk in token_chunks])
-            if token_chunks
-            else np.zeros(0, np.int64)
-        )
-        positions = np.concatenate(pos_chunks) if pos_chunks else np.zeros(0, np.int64)
-        slots = np.concatenate(slot_chunks) if slot_chunks else np.zeros(0, np.int64)
-
-        # Rows for the LM head: prompt-logprob rows first, then one row per sampled sequence.
-        prompt_rows: list[PromptLogprobRows] = []
-        prompt_idx: list[np.ndarray] = []
-        sample_idx: list[int] = []
-        sample_requests: list[Request] = []
-        start = 0
-        num_prompt_rows = 0
-        for r, n in order:
-            c = r.num_computed_tokens
-            if r.params.prompt_logprobs is not None and r.prompt_logprobs is not None:
-                # logits at position p score prompt token p + 1
-                lo = max(c, len(r.prompt_logprobs) - 1)
-                hi = min(c + n, r.num_prompt_tokens - 1)
-                if hi > lo:
-                    prompt_rows.append(PromptLogprobRows(r, num_prompt_rows, lo + 1, hi - lo))
-                    prompt_idx.append(np.arange(start + lo - c, start + hi - c))
-                    num_prompt_rows += hi - lo
-            sequences = sampling_sequences(r, n)
-            if sequences:
-                sample_idx += [start + n - 1] * len(sequences)
-                sample_requests += sequences
-            start += n
-        logits_rows = np.concatenate([*prompt_idx, np.asarray(sample_idx, dtype=np.int64)])
-
+        pack = _Packing()
         meta = AttentionMetadata(
             kv_caches=kv_caches,
-            slot_mapping=self._to_device(slots, torch.int64),
-            num_decode=nd,
-            decode_block_table=decode_bt,
-            decode_seq_lens=decode_lens,
-            decode_max_len=decode_max_len,
-            prefills=prefill_seqs,
+            slot_mapping=None,
+            num_decode=len(decodes),
+            decode_block_table=None,
+            decode_seq_lens=None,
+            decode_max_len=0,
+            prefills=[],
         )
-        if row_idx:
-            rows = np.concatenate(row_idx)
-            lens = positions[rows] + 1  # each query token sees its prefix and itself
-            table = np.zeros((len(rows), max(len(t) for t, _ in row_tables)), dtype=np.int64)
-            at = 0
-            for blocks, count in row_tables:
-                table[at : at + count, : len(blocks)] = blocks
-                at += count
-            meta.row_prefill_idx = self._to_device(rows, torch.int64)
-            meta.row_prefill_table = self._to_device(table, torch.int32)
-            meta.row_prefill_lens = self._to_device(lens, torch.int32)
-            meta.row_prefill_max_len = int(lens.max())
+        if decodes:
+            self._pack_decodes(decodes, pack, meta)
+        row_tables = self._pack_prefills(prefills, len(decodes), pack, meta)
+        input_ids = np.concatenate(pack.tokens) if pack.tokens else np.zeros(0, np.int64)
+        positions = np.concatenate(pack.positions) if pack.positions else np.zeros(0, np.int64)
+        slots = np.concatenate(pack.slots) if pack.slots else np.zeros(0, np.int64)
+        if (
+            self.num_blocks is not None
+            and slots.size
+            and not 0 <= slots.min() <= slots.max() < self.num_blocks * self.block_size
+        ):
+            raise RuntimeError(f"a step addresses a slot outside the KV cache ({slots.min()}..{slots.max()})")
+        meta.slot_mapping = self._to_device(slots, torch.int64)
+        if row_tables:
+            self._row_prefill_meta(pack.row_idx, row_tables, positions, meta)
+        logits_rows, sample_requests, prompt_rows, num_prompt_rows = _logits_rows(order)
         return ModelInput(
             pending_rows=[(row, r) for row, (r, _) in enumerate(decodes) if r.pending],
             input_ids=self._to_device(input_ids, torch.int64),
             positions=self._to_device(positions, torch.int64),
-            logits_indices=self._to_device(logits_rows.astype(np.int64), torch.int64),
+            logits_indices=self._to_device(logits_rows, torch.int64),
             meta=meta,
             scheduled=order,
             sample_requests=sample_requests,
             prompt_rows=prompt_rows,
             num_prompt_rows=num_prompt_rows,
         )
+
+    def _check_blocks(self, table: np.ndarray) -> None:
+        if (
+            self.num_blocks is not None
+            and table.size
+            and not 0 <= table.min() <= table.max() < self.num_blocks
+        ):
+            raise RuntimeError(
+                f"a step's block table holds a block outside the KV cache: {table.min()}..{table.max()}"
+            )
+
+    def _pack_decodes(
+        self, decodes: list[tuple[Request, int]], pack: _Packing, meta: AttentionMetadata
+    ) -> None:
+        """Single-token rows: their tokens, positions and slots, and one block table for all."""
+        bs, nd = self.block_size, len(decodes)
+        computed = np.fromiter((r.num_computed_tokens for r, _ in decodes), dtype=np.int64, count=nd)
+        # A pending token (overlap scheduling) is not known yet: 0 holds its place until the runner
+        # patches in the device-side value (``pending_rows``).
+        pack.tokens.append(
+            np.array([0 if r.pending else r.token_ids[r.num_computed_tokens] for r, _ in decodes], np.int64)
+        )
+        lens = computed + 1
+        meta.decode_max_len = int(lens.max())
+        width = -(-meta.decode_max_len // bs)
+        # One flat fill instead of a numpy slice assignment per row (~1 us each, every step).
+        flat: list[int] = []
+        counts: list[int] = []
+        for r, _ in decodes:
+            ids = r.block_ids[:width]
+            flat.extend(ids)
+            counts.append(len(ids))
+        # Padding entries stay 0: every kernel stops at the row's length, and the torch reference
+        # zeroes what its mask hides, so block 0's content is never read for another row.
+        table = np.zeros((nd, width), dtype=np.int64)
+        table[np.arange(width) < np.array(counts)[:, None]] = flat
+        self._check_blocks(table)
+        pack.slots.append(table[np.arange(nd), computed // bs] * bs + computed % bs)
+        pack.positions.append(computed)
+        meta.decode_block_table = self._to_device(table, torch.int32)
+        meta.decode_seq_lens = self._to_device(lens, torch.int32)
+
+    def _pack_prefills(
+        self, prefills: list[tuple[Request, int]], q_start: int, pack: _Packing, meta: AttentionMetadata
+    ) -> list[tuple[np.ndarray, int]]:
+        """Prefill chunks after the decode rows; returns (block ids, row count) of the chunks that
+        attend as decode-kernel rows."""
+        bs = self.block_size
+        row_tables: list[tuple[np.ndarray, int]] = []
+        for r, n in prefills:
+            c = r.num_computed_tokens
+            pack.tokens.append(np.asarray(r.token_ids[c : c + n], dtype=np.int64))
+            pos = np.arange(c, c + n, dtype=np.int64)
+            blocks = np.asarray(r.block_ids, dtype=np.int64)
+            pack.slots.append(blocks[pos // bs] * bs + pos % bs)
+            pack.positions.append(pos)
+            as_rows = n <= self.row_prefill_max
+            used = blocks[: -(-(c + n) // bs)]
+            self._check_blocks(used)
+            if as_rows:
+                pack.row_idx.append(np.arange(q_start, q_start + n, dtype=np.int64))
+                row_tables.append((used, n))
+            table = self._to_device(used, torch.int32) if c > 0 and not as_rows else None
+            meta.prefills.append(PrefillSeq(q_start, n, c, table, as_rows=as_rows))
+            q_start += n
+        return row_tables
+
+    def _row_prefill_meta(
+        self,
+        row_idx: list[np.ndarray],
+        row_tables: list[tuple[np.ndarray, int]],
+        positions: np.ndarray,
+        meta: AttentionMetadata,
+    ) -> None:
+        rows = np.concatenate(row_idx)
+        lens = positions[rows] + 1  # each query token sees its prefix and itself
+        table = np.zeros((len(rows), max(len(t) for t, _ in row_tables)), dtype=np.int64)
+        at = 0
+        for blocks, count in row_tables:
+            table[at : at + count, : len(blocks)] = blocks
+            at += count
+        meta.row_prefill_idx = self._to_device(rows, torch.int64)
+        meta.row_prefill_table = self._to_device(table, torch.int32)
+        meta.row_prefill_lens = self._to_device(lens, torch.int32)
+        meta.row_prefill_max_len = int(lens.max())
+
+
+@dataclass
+class _Packing:
+    """Per-chunk arrays of one step, concatenated at the end."""
+
+    tokens: list[np.ndarray] = field(default_factory=list)
+    positions: list[np.ndarray] = field(default_factory=list)
+    slots: list[np.ndarray] = field(default_factory=list)
+    row_idx: list[np.ndarray] = field(default_factory=list)
+
+
+def _logits_rows(
+    order: list[tuple[Request, int]],
+) -> tuple[np.ndarray, list[Request], list[PromptLogprobRows], int]:
+    """Rows for the LM head: prompt-logprob rows first, then one row per sampling sequence."""
+    prompt_rows: list[PromptLogprobRows] = []
+    prompt_idx: list[np.ndarray] = []
+    sample_idx: list[int] = []
+    sample_requests: list[Request] = []
+    start = 0
+    num_prompt_rows = 0
+    for r, n in order:
+        c = r.num_computed_tokens
+        if r.prompt_logprobs is not None:
+            # logits at position p score prompt token p + 1
+            lo = max(c, len(r.prompt_logprobs) - 1)
+            hi = min(c + n, r.num_prompt_tokens - 1)
+            if hi > lo:
+                prompt_rows.append(PromptLogprobRows(r, num_prompt_rows, lo + 1, hi - lo))
+                prompt_idx.append(np.arange(start + lo - c, start + hi - c))
+                num_prompt_rows += hi - lo
+        sequences = sampling_sequences(r, n)
+        if sequences:
+            sample_idx += [start + n - 1] * len(sequences)
+            sample_requests += sequences
+        start += n
+    rows = np.concatenate([*prompt_idx, np.asarray(sample_idx, dtype=np.int64)]).astype(np.int64)
+    return rows, sample_requests, prompt_rows, num_prompt_rows

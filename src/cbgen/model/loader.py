@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from cbgen import envs
 from cbgen.utils import get_logger, human_bytes, resolve_device, resolve_dtype
 
 if TYPE_CHECKING:
@@ -61,10 +62,10 @@ def default_model_dir() -> Path:
     ``$CBGEN_MODEL_DIR`` if set, else ``$XDG_CACHE_HOME/cbgen/models/SmolLM2-135M-Instruct``
     (``~/.cache`` when ``XDG_CACHE_HOME`` is unset or empty).
     """
-    override = os.environ.get("CBGEN_MODEL_DIR")
+    override = envs.get("CBGEN_MODEL_DIR")
     if override:
         return Path(override).expanduser()
-    cache_home = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    cache_home = envs.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
     return Path(cache_home).expanduser() / "cbgen" / "models" / DEFAULT_MODEL_NAME
 
 

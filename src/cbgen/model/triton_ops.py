@@ -30,10 +30,12 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
-import os
 from typing import Any
 
 import torch
+
+from cbgen import envs
+from cbgen.model.arg_checks import check_decode, check_store
 
 try:
     import triton
@@ -59,7 +61,7 @@ def _interpreting() -> bool:
     knobs = getattr(triton, "knobs", None)
     if knobs is not None:
         return bool(knobs.runtime.interpret)
-    return os.environ.get("TRITON_INTERPRET", "0").strip().lower() in {"1", "true", "on", "yes"}
+    return envs.flag("TRITON_INTERPRET")
 
 
 def available(device: torch.device | str) -> bool:
@@ -100,6 +102,7 @@ def _store_kv_kernel(
     stride_vcd,
     num_kv_heads,
     head_dim,
+    num_slots,
     BLOCK_SIZE: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -108,8 +111,9 @@ def _store_kv_kernel(
     slot = tl.load(slot_ptr + token).to(tl.int64)
     offs_h = tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, BLOCK_D)
-    # A negative slot zeroes the head bound, so padding tokens never touch the cache.
-    live_heads = tl.where(slot >= 0, num_kv_heads, 0)
+    # A negative slot zeroes the head bound, so padding tokens never touch the cache; so does a slot
+    # past the cache (the engine never builds one, and a bad one must not write out of bounds).
+    live_heads = tl.where((slot >= 0) & (slot < num_slots), num_kv_heads, 0)
     mask = (offs_h[:, None] < live_heads) & (offs_d[None, :] < head_dim)
     block = slot // BLOCK_SIZE
     offset = slot % BLOCK_SIZE
@@ -171,6 +175,7 @@ def _decode_kernel(
     max_tokens,
     num_splits,
     head_dim,
+    num_blocks,
     GROUP: tl.constexpr,
     BLOCK_G: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -225,6 +230,8 @@ def _decode_kernel(
         pos = tile_start + offs_t
         valid = pos < end
         block_ids = tl.load(bt_row + pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
+        # A block id outside the cache is never dereferenced (the engine checks tables on the host).
+        valid = valid & (block_ids >= 0) & (block_ids < num_blocks)
         token_in_block = (pos % BLOCK_SIZE).to(tl.int64)
         kv_mask = valid[:, None] & d_mask[None, :]
 
@@ -378,13 +385,12 @@ def triton_store_kv(
     ``[num_blocks, block_size, Hkv, D]``, slot ``s`` is block ``s // block_size`` offset
     ``s % block_size``, and slots ``< 0`` are skipped.  Inputs may be strided views.
     """
+    check_store(key, value, k_cache, v_cache, slot_mapping, slot_dtype=None, strided=True)
+    if key.dim() != 3:
+        raise ValueError(f"key/value must be [T, Hkv, D]; got {tuple(key.shape)}")
     num_tokens = slot_mapping.shape[0]
     if num_tokens == 0:
         return
-    if key.shape != value.shape or key.dim() != 3 or key.shape[0] != num_tokens:
-        raise ValueError(f"key/value must be [T, Hkv, D] with T={num_tokens}; got {key.shape}, {value.shape}")
-    if tuple(key.shape[1:]) != tuple(k_cache.shape[2:]) or k_cache.shape != v_cache.shape:
-        raise ValueError(f"cache shape {tuple(k_cache.shape)} does not match key shape {tuple(key.shape)}")
     # Cast on the host so rounding matches the reference bit for bit (and the kernel stays a copy).
     if key.dtype != k_cache.dtype:
         key = key.to(k_cache.dtype)
@@ -407,6 +413,7 @@ def triton_store_kv(
             *v_cache.stride(),
             num_kv_heads,
             head_dim,
+            k_cache.shape[0] * k_cache.shape[1],
             BLOCK_SIZE=k_cache.shape[1],
             BLOCK_H=_pow2(num_kv_heads),
             BLOCK_D=_pow2(head_dim),
@@ -446,16 +453,9 @@ def triton_paged_decode_attention(
     Rows with ``seq_lens == 0`` return zeros.  ``num_splits`` overrides the flash-decoding split
     count (default: chosen from shapes; 1 off CUDA).  Returns ``[B, H, D]`` in ``query.dtype``.
     """
-    if query.dim() != 3:
-        raise ValueError(f"query must be [B, H, D]; got {tuple(query.shape)}")
+    check_decode(query, k_cache, v_cache, block_table, seq_lens, index_dtype=None)
     batch, num_heads, head_dim = query.shape
-    _, block_size, num_kv_heads, cache_dim = k_cache.shape
-    if cache_dim != head_dim or v_cache.shape != k_cache.shape:
-        raise ValueError(f"cache shape {tuple(k_cache.shape)} does not match query head_dim {head_dim}")
-    if num_heads % num_kv_heads:
-        raise ValueError(f"{num_heads} query heads are not a multiple of {num_kv_heads} kv heads")
-    if block_table.dim() != 2 or block_table.shape[0] != batch or seq_lens.shape[0] != batch:
-        raise ValueError("block_table must be [B, max_blocks] and seq_lens [B]")
+    _, block_size, num_kv_heads, _ = k_cache.shape
     # The kernel indexes both with unit inner stride.
     if block_table.stride(1) != 1:
         block_table = block_table.contiguous()
@@ -471,17 +471,49 @@ def triton_paged_decode_attention(
     if num_splits is None:
         num_splits = _choose_splits(batch, num_kv_heads, max_tokens, query.device)
     num_splits = max(1, int(num_splits))
+    # Tensor-core dots only for a query already in the cache's 16-bit dtype.
+    native_dot = query.dtype == k_cache.dtype and query.dtype != torch.float32 and not _interpreting()
+    if query.dtype != k_cache.dtype:
+        # Mixed precision would need per-operand casts in the kernel; it is not a real deployment.
+        query = query.to(k_cache.dtype)
+    _launch_decode(
+        query,
+        k_cache,
+        v_cache,
+        block_table,
+        seq_lens,
+        out,
+        scale,
+        sliding_window,
+        softcap,
+        max_tokens,
+        num_splits,
+        native_dot,
+    )
+    return out
 
+
+def _launch_decode(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    out: torch.Tensor,
+    scale: float,
+    sliding_window: int | None,
+    softcap: float | None,
+    max_tokens: int,
+    num_splits: int,
+    native_dot: bool,
+) -> None:
+    batch, num_heads, head_dim = query.shape
+    num_blocks, block_size, num_kv_heads, _ = k_cache.shape
     group = num_heads // num_kv_heads
     block_d = _pow2(head_dim, _MIN_DOT)
     # Bigger tiles amortise the loop, bounded so K/V tiles stay within the register budget.
     tile = max(_MIN_DOT, min(64, 4096 // block_d))
-    interpret = _interpreting()
-    native_dot = query.dtype == k_cache.dtype and not interpret and query.dtype != torch.float32
-    if query.dtype != k_cache.dtype:
-        # Mixed precision would need per-operand casts in the kernel; it is not a real deployment.
-        query = query.to(k_cache.dtype)
-    _, decode_kernel, merge_kernel = _kernels(interpret)
+    _, decode_kernel, merge_kernel = _kernels(_interpreting())
 
     if num_splits > 1:
         target = torch.empty(batch, num_heads, num_splits, head_dim, dtype=torch.float32, device=query.device)
@@ -520,6 +552,7 @@ def triton_paged_decode_attention(
             max_tokens,
             num_splits,
             head_dim,
+            num_blocks,
             GROUP=group,
             BLOCK_G=_pow2(group, _MIN_DOT),
             BLOCK_D=block_d,
@@ -533,21 +566,26 @@ def triton_paged_decode_attention(
             num_warps=4,
         )
         if num_splits > 1:
-            merge_kernel[(batch, num_heads)](
-                target,
-                m_buf,
-                l_buf,
-                out,
-                target.stride(0),
-                target.stride(1),
-                target.stride(2),
-                m_buf.stride(0),
-                m_buf.stride(1),
-                out.stride(0),
-                out.stride(1),
-                num_splits,
-                head_dim,
-                BLOCK_S=_pow2(num_splits),
-                BLOCK_D=block_d,
-            )
-    return out
+            _merge(merge_kernel, target, m_buf, l_buf, out, num_splits, block_d)
+
+
+def _merge(merge_kernel: Any, target, m_buf, l_buf, out: torch.Tensor, num_splits: int, block_d: int) -> None:
+    """Combines the per-split partial results of a flash-decoding launch into ``out``."""
+    batch, num_heads, head_dim = out.shape
+    merge_kernel[(batch, num_heads)](
+        target,
+        m_buf,
+        l_buf,
+        out,
+        target.stride(0),
+        target.stride(1),
+        target.stride(2),
+        m_buf.stride(0),
+        m_buf.stride(1),
+        out.stride(0),
+        out.stride(1),
+        num_splits,
+        head_dim,
+        BLOCK_S=_pow2(num_splits),
+        BLOCK_D=block_d,
+    )

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import os
 import signal
 from collections.abc import Callable
 from pathlib import Path
@@ -11,6 +10,7 @@ from typing import Any
 
 import uvicorn
 
+from cbgen import envs
 from cbgen.async_engine import AsyncEngine
 from cbgen.server.routes import build_app
 from cbgen.server.state import ServerLimits
@@ -102,7 +102,7 @@ def main(argv: list[str] | None = None) -> None:
             raise SystemExit(f"--{name.replace('_', '-')} must be >= 1")
     # cbgen's package logger already has a stderr handler; basicConfig would print every record twice.
     get_logger("cbgen").setLevel(args.log_level.upper())
-    api_key = args.api_key or os.environ.get("CBGEN_API_KEY") or None
+    api_key = args.api_key or envs.get("CBGEN_API_KEY") or None
     llm, async_engine = _load(args)
     limits = ServerLimits(
         max_prompt_tokens=args.max_prompt_tokens,

@@ -25,10 +25,12 @@ int cbgen_rope(void *q, void *k, const void *cos, const void *sin, int64_t T, in
 int cbgen_silu_mul(const void *gate, const void *up, void *out, int64_t rows, int64_t n, int64_t gate_stride,
                    int64_t up_stride, int64_t out_stride, int dtype);
 int cbgen_store_kv(const void *key, int64_t key_stride, const void *value, int64_t value_stride, void *k_cache,
-                   void *v_cache, const int64_t *slot_mapping, int64_t T, int64_t row_elems, int elem_size);
+                   void *v_cache, const int64_t *slot_mapping, int64_t T, int64_t row_elems, int elem_size,
+                   int64_t num_slots);
 int cbgen_paged_decode(const void *q, int64_t q_stride, const void *kc, const void *vc, const int32_t *block_table,
-                       int64_t table_stride, const int32_t *seq_lens, void *out, int64_t B, int H, int Hkv, int D,
-                       int bs, float scale, int64_t window, float softcap, int dtype, int impl);
+                       int64_t table_stride, int64_t table_width, const int32_t *seq_lens, void *out, int64_t B,
+                       int H, int Hkv, int D, int bs, int64_t num_blocks, float scale, int64_t window, float softcap,
+                       int dtype, int impl);
 
 #define DECODER_WORDS(X)                                                                                               \
     X(W_QKV) X(B_QKV) X(W_O) X(B_O) X(W_GATE_UP) X(B_GATE_UP) X(W_DOWN) X(B_DOWN) X(POST_NORM) X(NEXT_NORM) X(K_CACHE)  \
@@ -63,8 +65,8 @@ const char *cbgen_decoder_layout(int64_t *words, int64_t *floats) {
 int cbgen_decoder_step(const int64_t *layers, const float *floats, int n_layers, const uint16_t *first_norm,
                        float first_eps, uint16_t *hidden, uint16_t *x, uint16_t *qkv, uint16_t *attn, uint16_t *gate_up,
                        uint16_t *act, uint16_t *delta, const uint16_t *cos, const uint16_t *sin, const int32_t *table,
-                       int64_t table_stride, const int32_t *seq_lens, const int64_t *slots, int64_t T, int64_t E,
-                       int H, int Hkv, int D, int64_t I, int block_size) {
+                       int64_t table_stride, int64_t table_width, const int32_t *seq_lens, const int64_t *slots,
+                       int64_t T, int64_t E, int H, int Hkv, int D, int64_t I, int block_size, int64_t num_blocks) {
     const int64_t qd = (int64_t)H * D, kd = (int64_t)Hkv * D, nqkv = qd + 2 * kd;
     int l = 0;
     TRY(0, cbgen_add_rmsnorm(hidden, 0, first_norm, x, T, E, E, 0, E, first_eps, 1));
@@ -74,10 +76,10 @@ int cbgen_decoder_step(const int64_t *layers, const float *floats, int n_layers,
         TRY(1, cbgen_amx_linear(x, E, P16(w[W_QKV]), P16(w[B_QKV]), qkv, nqkv, T, nqkv, E));
         TRY(2, cbgen_rope(qkv, qkv + qd, cos, sin, T, H, Hkv, D, nqkv, nqkv, 1));
         TRY(3, cbgen_store_kv(qkv + qd, nqkv, qkv + qd + kd, nqkv, (void *)(intptr_t)w[K_CACHE],
-                              (void *)(intptr_t)w[V_CACHE], slots, T, kd, 2));
+                              (void *)(intptr_t)w[V_CACHE], slots, T, kd, 2, num_blocks * block_size));
         TRY(4, cbgen_paged_decode(qkv, nqkv, (const void *)(intptr_t)w[K_CACHE], (const void *)(intptr_t)w[V_CACHE],
-                                  table, table_stride, seq_lens, attn, T, H, Hkv, D, block_size, f[SCALE], w[WINDOW],
-                                  0.0f, 1, 0));
+                                  table, table_stride, table_width, seq_lens, attn, T, H, Hkv, D, block_size,
+                                  num_blocks, f[SCALE], w[WINDOW], 0.0f, 1, 0));
         TRY(5, cbgen_amx_linear(attn, qd, P16(w[W_O]), P16(w[B_O]), delta, E, T, E, qd));
         TRY(6, cbgen_add_rmsnorm(hidden, delta, P16(w[POST_NORM]), x, T, E, E, E, E, f[POST_EPS], 1));
         TRY(7, cbgen_amx_linear(x, E, P16(w[W_GATE_UP]), P16(w[B_GATE_UP]), gate_up, 2 * I, T, 2 * I, E));

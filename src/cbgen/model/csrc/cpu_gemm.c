@@ -10,7 +10,7 @@
  * y[M, N] = x[M, K] W[N, K]^T (+ bias), fp32 accumulation, one rounding to bf16 at the end (what
  * torch's bf16 linear computes; summation order may differ, so ~1e-4 of outputs differ by one ulp).
  *
- * Packed weight layout (cpu_kernels.amx_pack): for each pair of 16-column blocks p (N / 32 of them)
+ * Packed weight layout (cpu_amx.amx_pack): for each pair of 16-column blocks p (N / 32 of them)
  * and each 32-wide slice kb of K, two 1 KiB tiles j = 0, 1 in the AMX "VNNI" layout: tile row r
  * holds, for columns c = 0..15, the pair W[32p + 16j + c][32kb + 2r + {0, 1}].  A thread walks
  * consecutive p, so its share of the weight is one contiguous stream.

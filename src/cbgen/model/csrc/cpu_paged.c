@@ -305,12 +305,29 @@ static void decode_task_fast(const void *q, int64_t qs, const void *kc, const vo
 #define CB_HAVE_FAST 0
 #endif
 
-/* impl: 0 = the fastest this build has, 1 = the portable loops (tests compare the two). */
+/* Whether every row's context fits its block-table row (table_width entries) and every block it
+ * reads is a block of the cache: checked before any KV is touched, so a bad table is an error, never
+ * a read past the cache. */
+static int tables_in_range(const int32_t *block_table, int64_t table_stride, int64_t table_width,
+                           const int32_t *seq_lens, int64_t B, int bs, int64_t num_blocks) {
+    for (int64_t b = 0; b < B; ++b) {
+        const int64_t len = seq_lens[b];
+        if (len < 0 || len > table_width * bs) return 0;
+        const int32_t *row = block_table + b * table_stride;
+        for (int64_t j = 0; j < (len + bs - 1) / bs; ++j)
+            if (row[j] < 0 || row[j] >= num_blocks) return 0;
+    }
+    return 1;
+}
+
+/* impl: 0 = the fastest this build has, 1 = the portable loops (tests compare the two).
+ * Returns 0, 1 for bad sizes, 3 when out of memory, 4 for a block table or length outside the cache. */
 int cbgen_paged_decode(const void *q, int64_t q_stride, const void *kc, const void *vc, const int32_t *block_table,
-                       int64_t table_stride, const int32_t *seq_lens, void *out, int64_t B, int H,
-                       int Hkv, int D, int bs, float scale, int64_t window, float softcap, int dtype,
-                       int impl) {
-    if (H % Hkv != 0 || dtype < 0 || dtype > 1 || H > 512) return 1;
+                       int64_t table_stride, int64_t table_width, const int32_t *seq_lens, void *out, int64_t B,
+                       int H, int Hkv, int D, int bs, int64_t num_blocks, float scale, int64_t window, float softcap,
+                       int dtype, int impl) {
+    if (Hkv <= 0 || H % Hkv != 0 || dtype < 0 || dtype > 1 || H > 512 || D <= 0 || bs <= 0) return 1;
+    if (!tables_in_range(block_table, table_stride, table_width, seq_lens, B, bs, num_blocks)) return 4;
     const int fast = CB_HAVE_FAST && impl == 0 && D % 16 == 0 && D <= 256;
     (void)fast; /* unused in builds without AVX-512 */
     /* Whole rows per task when there are enough rows to keep every thread busy (sequential reads);
@@ -348,9 +365,13 @@ int cbgen_paged_decode(const void *q, int64_t q_stride, const void *kc, const vo
 }
 
 /* Copies each token's keys and values ([Hkv * D] contiguous elements; rows `*_stride` elements apart)
- * into its slot. */
+ * into its slot (-1: nowhere).  Returns 2, writing nothing, if a slot lies outside the cache's
+ * num_slots. */
 int cbgen_store_kv(const void *key, int64_t key_stride, const void *value, int64_t value_stride, void *k_cache,
-                   void *v_cache, const int64_t *slot_mapping, int64_t T, int64_t row_elems, int elem_size) {
+                   void *v_cache, const int64_t *slot_mapping, int64_t T, int64_t row_elems, int elem_size,
+                   int64_t num_slots) {
+    for (int64_t t = 0; t < T; ++t)
+        if (slot_mapping[t] < -1 || slot_mapping[t] >= num_slots) return 2;
     const size_t row_bytes = (size_t)row_elems * elem_size;
     for (int64_t t = 0; t < T; ++t) {
         const int64_t slot = slot_mapping[t];
