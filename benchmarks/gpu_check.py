@@ -141,7 +141,7 @@ def exactness(model, device, num_prompts: int, new_tokens: int, dry: bool) -> di
     prompts, _ = workload(num_prompts, 16, 256 if not dry else 40, model.config.vocab_size, seed=1)
     params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
     fast = LLM(
-        model, max_num_seqs=num_prompts, enforce_eager=None if not dry else False, attention_backend="auto"
+        model, max_num_seqs=num_prompts, decode_mode="auto" if not dry else "static", attention_backend="auto"
     )
     got = [o.outputs[0].token_ids for o in fast.generate(prompts, params, use_tqdm=False)]
     backend = fast.engine.runner.backend
@@ -156,7 +156,7 @@ def exactness(model, device, num_prompts: int, new_tokens: int, dry: bool) -> di
         flash_got = [o.outputs[0].token_ids for o in flash.generate(prompts, params, use_tqdm=False)]
         flash_graphs = len(flash.engine.runner.static.graphs) if flash.engine.runner.static else 0
         del flash
-    ref_llm = LLM(model, max_num_seqs=num_prompts, enforce_eager=True, attention_backend="torch")
+    ref_llm = LLM(model, max_num_seqs=num_prompts, decode_mode="eager", attention_backend="torch")
     ref = [o.outputs[0].token_ids for o in ref_llm.generate(prompts, params, use_tqdm=False)]
     del ref_llm
     identical, near_ties, real = _divergences(model, device, prompts, got, ref)
@@ -206,7 +206,7 @@ def step_syncs(model, device, dry: bool) -> dict:
 
     from cbgen import LLM, SamplingParams
 
-    llm = LLM(model, max_num_seqs=32, enforce_eager=None if not dry else False)
+    llm = LLM(model, max_num_seqs=32, decode_mode="auto" if not dry else "static")
     kinds = [
         SamplingParams(temperature=0.0),
         SamplingParams(temperature=0.8, top_p=0.9),

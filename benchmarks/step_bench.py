@@ -24,7 +24,7 @@ VARIANTS = {
     "unfused": {"fused_decode": False},
     "default": {},
     "torch": {"attention_backend": "torch"},
-    "static": {"enforce_eager": False},
+    "static": {"decode_mode": "static"},
     "compile": {"compile": True},
 }
 

@@ -26,10 +26,10 @@ class EngineConfig:
     # Where and how LLM loads a model from a path; a model object is used as it is.
     device: str | None = None
     dtype: str = "auto"
-    # CUDA fast path
-    # None: CUDA graphs on CUDA, plain eager on CPU.  False on CPU runs decode steps through the same
-    # padded fixed-shape path that CUDA captures (used by tests); True never pads.
-    enforce_eager: bool | None = None
+    # Decode-only steps: "eager" (the packed batch as it is), "static" (padded to a batch bucket in
+    # fixed buffers, the path CUDA captures; runs on CPU too), "graphs" (static, captured as CUDA
+    # graphs; CUDA only) or "auto" (graphs on CUDA, eager on CPU; static on CPU with compile).
+    decode_mode: str = "auto"
     compile: bool = False
     attention_backend: str = "auto"  # "auto" | "torch" | "cpu" | "triton" | "flash_attn"
     cuda_graph_max_batch: int | None = None  # default: max_num_seqs
@@ -75,6 +75,10 @@ class EngineConfig:
             f"kv_cache_memory_fraction must be in (0, 1], got {self.kv_cache_memory_fraction!r}",
         )
         need(self.max_logprobs >= 0, f"max_logprobs must be >= 0, got {self.max_logprobs!r}")
+        need(
+            self.decode_mode in ("auto", "eager", "static", "graphs"),
+            f"decode_mode must be auto|eager|static|graphs, got {self.decode_mode!r}",
+        )
         need(
             self.attention_backend in ("auto", "torch", "cpu", "triton", "flash_attn"),
             f"attention_backend must be auto|torch|cpu|triton|flash_attn, got {self.attention_backend!r}",

@@ -124,7 +124,7 @@ class Engine:
             ),
             max_num_seqs=config.max_num_seqs,
             max_model_len=self.max_model_len,
-            enforce_eager=config.enforce_eager,
+            decode_mode=config.decode_mode,
             compile=config.compile,
             cuda_graph_max_batch=config.cuda_graph_max_batch,
             fused_decode=config.fused_decode,

@@ -349,10 +349,10 @@ def test_runner_checks_cache_geometry(fake_flash, monkeypatch) -> None:
         LLM(make_model("llama"), block_size=8, attention_backend="flash_attn")
 
 
-@pytest.mark.parametrize(("arch", "enforce_eager"), [("llama", True), ("gemma2", False)])
-def test_engine_with_fake_flash_matches_torch(fake_flash, monkeypatch, arch, enforce_eager) -> None:
+@pytest.mark.parametrize(("arch", "decode_mode"), [("llama", "eager"), ("gemma2", "static")])
+def test_engine_with_fake_flash_matches_torch(fake_flash, monkeypatch, arch, decode_mode) -> None:
     """End to end through attention.py with the fake standing in for flash on CPU: same greedy tokens
-    as the torch backend.  gemma2 brings a sliding window and soft-capping; ``enforce_eager=False``
+    as the torch backend.  gemma2 brings a sliding window and soft-capping; ``decode_mode="static"``
     runs the padded fixed-shape decode path (padding rows: slot -1, seq_len 0)."""
     from cbgen import LLM, SamplingParams
     from tiny_models import make_model, make_prompts
@@ -367,12 +367,12 @@ def test_engine_with_fake_flash_matches_torch(fake_flash, monkeypatch, arch, enf
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     runs = {}
     for backend in ("flash_attn", "torch"):
-        llm = LLM(model, block_size=8, attention_backend=backend, enforce_eager=enforce_eager, max_num_seqs=8)
+        llm = LLM(model, block_size=8, attention_backend=backend, decode_mode=decode_mode, max_num_seqs=8)
         runner = llm.engine.runner
         assert runner.backend == backend
         if backend == "flash_attn":
             assert runner.decode_fn is flash_ops.paged_decode_attention
-            assert (runner.static is None) == enforce_eager
+            assert (runner.static is None) == (decode_mode == "eager")
         runs[backend] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     assert fake.calls, "decode never reached flash_attn_with_kvcache"
     assert runs["flash_attn"] == runs["torch"]

@@ -41,7 +41,7 @@ def test_width_bucket_and_key_hold_everything_baked_in():
 
 def test_key_uses_length_bucket_for_torch_backend():
     model = make_model("llama")
-    llm = LLM(model, block_size=8, enforce_eager=False, max_num_seqs=8, attention_backend="torch")
+    llm = LLM(model, block_size=8, decode_mode="static", max_num_seqs=8, attention_backend="torch")
     static = llm.engine.runner.static
     assert static is not None and not static.use_cuda_graphs
     assert static.key_for(3, 2).width == 4 and static.key_for(3, 9).width == 16
@@ -53,7 +53,7 @@ def test_padded_static_decode_is_exact(arch):
     model = make_model(arch)
     prompts = make_prompts(7, lengths=(3, 60))
     refs = [hf_greedy(model, p, 30) for p in prompts]
-    llm = LLM(model, block_size=8, enforce_eager=False, max_num_seqs=8)
+    llm = LLM(model, block_size=8, decode_mode="static", max_num_seqs=8)
     outs = llm.generate(
         prompts, SamplingParams(max_tokens=30, temperature=0, ignore_eos=True), use_tqdm=False
     )

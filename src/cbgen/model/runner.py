@@ -66,14 +66,37 @@ def _compiled_model_forward():
     return torch.compile(model_forward, dynamic=False)
 
 
+DECODE_MODES = ("auto", "eager", "static", "graphs")
+
+
+def resolve_decode_mode(
+    requested: str, device: torch.device, compile: bool, backend: AttentionBackend
+) -> str:
+    """How decode-only steps run: ``eager`` (the packed batch as it is), ``static`` (padded to a
+    batch bucket in fixed buffers; what CUDA captures, runnable on CPU for tests) or ``graphs``
+    (static, captured as CUDA graphs).  ``auto``: graphs on CUDA when the backend can be captured
+    (else eager, with the reason logged), static on CPU with ``compile``, else eager."""
+    if requested not in DECODE_MODES:
+        raise ValueError(f"decode_mode must be one of {DECODE_MODES}, got {requested!r}")
+    if requested == "graphs" and device.type != "cuda":
+        raise ValueError("decode_mode='graphs' needs a CUDA device (use 'static' for the padded path)")
+    if requested == "eager" and compile:
+        raise ValueError("compile=True compiles the padded decode path: use decode_mode 'auto' or 'static'")
+    if requested != "auto":
+        return requested
+    if device.type == "cuda":
+        return "graphs" if backend.cuda_graphs_ok(device) else ("static" if compile else "eager")
+    return "static" if compile else "eager"
+
+
 class ModelRunner:
     """Executes forwards for the engine; owns the KV cache and the fixed-shape decode path.
 
     ``backend`` (from :func:`cbgen.model.backends.select_backend`; the torch reference when None)
-    attends on every path: it rides on each step's metadata.  Decode-only steps go through
-    :class:`StaticDecodeRunner` on CUDA (as CUDA graphs, unless ``enforce_eager`` or a backend that
-    cannot be captured), with ``compile`` (its forward wrapped in ``torch.compile``) or with
-    ``enforce_eager=False``.
+    attends on every path: it rides on each step's metadata.  ``decode_mode`` (see
+    :func:`resolve_decode_mode`) says whether decode-only steps run eagerly or through
+    :class:`StaticDecodeRunner`'s padded buffers, captured as CUDA graphs or not; ``compile`` wraps
+    that path's forward in ``torch.compile``.
     """
 
     def __init__(
@@ -84,7 +107,7 @@ class ModelRunner:
         backend: AttentionBackend | None = None,
         max_num_seqs: int = 256,
         max_model_len: int = 8192,
-        enforce_eager: bool | None = None,
+        decode_mode: str = "auto",
         compile: bool = False,
         cuda_graph_max_batch: int | None = None,
         fused_decode: bool = False,
@@ -98,10 +121,9 @@ class ModelRunner:
         self._check_layers()
         self.attn_backend = backend = backend if backend is not None else TorchBackend()
         backend.check_geometry(kv_cache.block_size, kv_cache.geometry.head_dim)
-        if device.type == "cuda" and not enforce_eager and not backend.cuda_graphs_ok(device):
-            enforce_eager = True  # eager decode steps (the reason is logged)
-        use_graphs = device.type == "cuda" and not enforce_eager
-        use_static = use_graphs or compile or enforce_eager is False
+        self.decode_mode = mode = resolve_decode_mode(decode_mode, device, compile, backend)
+        use_graphs = mode == "graphs"
+        use_static = mode != "eager"
         self.compiled = compile
         self.static: StaticDecodeRunner | None = None
         if use_static:
