@@ -18,6 +18,11 @@ Each step:
 
 Run ``python examples/grpo_tiny.py --steps 40`` (``--help`` for the knobs).  It prints the mean reward
 per step, saves the reward curve as a PNG and exits non-zero unless the reward clearly rose.
+
+Data parallel: ``torchrun --nproc-per-node 2 examples/grpo_tiny.py --steps 30``.  Every rank holds a
+replica of the policy (wrapped in ``DistributedDataParallel``, gloo on CPU), draws the same prompt
+list and keeps its share of it, generates its rollouts with its own cbgen engine on its own replica,
+and the gradients are averaged across ranks; the logged reward is the mean over all ranks.
 """
 
 from __future__ import annotations
@@ -191,20 +196,46 @@ def save_curve(rewards: Sequence[float], path: Path) -> Path:
     return path
 
 
+def _data_parallel() -> tuple[int, int]:
+    """(rank, world size): under torchrun the process group is started here (gloo on CPU)."""
+    import os
+
+    import torch.distributed as dist
+
+    if "RANK" not in os.environ:
+        return 0, 1
+    if not dist.is_initialized():
+        dist.init_process_group("gloo")
+    return dist.get_rank(), dist.get_world_size()
+
+
+def _mean_over_ranks(value: float, world: int) -> float:
+    if world == 1:
+        return value
+    total = torch.tensor([value])
+    torch.distributed.all_reduce(total)
+    return float(total) / world
+
+
 def train(cfg: GRPOConfig) -> GRPOResult:
     """Runs ``cfg.steps`` GRPO steps and returns the per-step record."""
     start = time.perf_counter()
+    rank, world = _data_parallel()
     rng = random.Random(cfg.seed)
-    policy = build_policy(cfg.seed)
+    policy = build_policy(cfg.seed)  # the same initial weights on every rank
     policy.train()
+    # Under torchrun the trainer's forward goes through DDP (gradients averaged across ranks); cbgen
+    # runs on the same underlying module, as it would on a single process.
+    trainer = policy if world == 1 else torch.nn.parallel.DistributedDataParallel(policy)
     optimizer = torch.optim.AdamW(policy.parameters(), lr=cfg.lr, weight_decay=0.0)
     # One engine for the whole run, sharing the trainer's module: nothing is copied or synced by hand.
-    llm = LLM(policy, block_size=8, num_blocks=128, seed=cfg.seed)
+    # Each rank seeds its own draws: the replicas must not sample the same completions.
+    llm = LLM(policy, block_size=8, num_blocks=128, seed=cfg.seed + rank)
     sampling = SamplingParams(n=cfg.group_size, temperature=1.0, max_tokens=cfg.max_tokens)
     result = GRPOResult()
 
     for step in range(1, cfg.steps + 1):
-        prompts = make_prompts(rng, cfg.prompts_per_step, cfg.prompt_letters)
+        prompts = make_prompts(rng, cfg.prompts_per_step, cfg.prompt_letters)[rank::world]
         if cfg.release_kv:
             llm.resume_memory()
         outs = llm.generate(prompts, sampling, use_tqdm=False)
@@ -220,7 +251,7 @@ def train(cfg: GRPOConfig) -> GRPOResult:
 
         ratio_error = float("nan")
         for epoch in range(cfg.ppo_epochs):
-            new_logp, mask = completion_logprobs(policy, flat_prompts, completions)
+            new_logp, mask = completion_logprobs(trainer, flat_prompts, completions)
             if epoch == 0:
                 # Same weights as the rollout: the ratio is 1 up to rounding (fp32 packed vs padded).
                 ratio_error = float(((new_logp.detach() - old_logp).exp() - 1).abs()[mask].max())
@@ -229,10 +260,10 @@ def train(cfg: GRPOConfig) -> GRPOResult:
             loss.backward()
             optimizer.step()
 
-        result.rewards.append(float(rewards.mean()))
+        result.rewards.append(_mean_over_ranks(float(rewards.mean()), world))
         result.ratio_errors.append(ratio_error)
         result.weight_versions.append(outs[0].weight_version)
-        if cfg.log:
+        if cfg.log and rank == 0:
             print(
                 f"step {step:3d}  reward {result.rewards[-1]:.3f}  |ratio-1| {ratio_error:.1e}  "
                 f"weights v{outs[0].weight_version}  e.g. {show(flat_prompts[0][1:])} -> {show(completions[0])}",
@@ -240,7 +271,7 @@ def train(cfg: GRPOConfig) -> GRPOResult:
             )
 
     result.seconds = time.perf_counter() - start
-    if cfg.out is not None:
+    if cfg.out is not None and rank == 0:
         result.png = save_curve(result.rewards, cfg.out)
     return result
 
@@ -283,6 +314,8 @@ def main(argv: Sequence[str] | None = None) -> GRPOResult:
         log=not args.quiet,
     )
     result = train(cfg)
+    if torch.distributed.is_initialized() and torch.distributed.get_rank() != 0:
+        return result
     k = max(1, min(5, len(result.rewards) // 4))
     print(
         f"mean reward: first {k} steps {result.first(k):.3f} -> last {k} steps {result.last(k):.3f} "

@@ -43,7 +43,13 @@ class EngineConfig:
     # back (stop checks lag one step; tokens past a stop are dropped).  None: on for CUDA, off on CPU,
     # where torch runs synchronously and there is nothing to overlap.
     async_scheduling: bool | None = None
-    seed: int = 0
+    # Seed of the private generator of unseeded requests.  None: 0, plus the data-parallel replica
+    # under torch.distributed (the global rank of the tensor-parallel root), so replicas sample
+    # differently while the ranks of one tensor-parallel group agree.
+    seed: int | None = None
+    # Tensor parallelism: how long a rank waits for its group's root at each exchange before it
+    # fails with an error (a rank died or the ranks diverged) instead of hanging.
+    distributed_timeout: float = 600.0
 
     def __post_init__(self) -> None:
         def need(cond: bool, msg: str) -> None:

@@ -30,6 +30,8 @@ from cbgen.core.block_manager import BlockManager
 from cbgen.core.scheduler import Scheduler, SchedulerOutput
 from cbgen.core.stats import EngineStats, StepStats
 from cbgen.core.update import SampledTokens
+from cbgen.distributed.lockstep import Ingress, Lockstep, schedule_digest
+from cbgen.distributed.topology import topology_of
 from cbgen.inputs import as_token_ids
 from cbgen.model.backends import select_backend
 from cbgen.model.input_batch import InputBuilder, ModelInput
@@ -65,6 +67,7 @@ class LaunchedStep:
     crossed: list[Request]  # requests that completed a block (published once their tokens are known)
     logits: torch.Tensor | None = None
     sampled: SamplerOutput | None = None
+    host: SampledTokens | None = None  # the sample on the host (tensor parallelism: the root's)
     # Overlap scheduling: the step scheduled and built while this one's forward ran.
     next: StepPlan | None = None
 
@@ -138,7 +141,14 @@ class Engine:
         )
         user_names = {p.name for p in logits_processors}
         builtins = [p for p in (AllowedTokensProcessor(), BadWordsProcessor()) if p.name not in user_names]
-        self.sampler = Sampler(self.vocab_size, [*builtins, *logits_processors], seed=config.seed)
+        # Tensor parallelism (transformers' own): the group's root decides each step (see lockstep).
+        self.topology = topology_of(model)
+        self.lockstep = (
+            Lockstep(self.topology, config.distributed_timeout) if self.topology.tp_size > 1 else None
+        )
+        # Unseeded sampling differs between data-parallel replicas by default, never inside a group.
+        seed = config.seed if config.seed is not None else self.topology.replica
+        self.sampler = Sampler(self.vocab_size, [*builtins, *logits_processors], seed=seed)
         self.output_processor = OutputProcessor(tokenizer)
         self.weights = WeightWatcher(model)
         self.groups: dict[str, RequestGroup] = {}
@@ -149,7 +159,17 @@ class Engine:
         self.async_scheduling = (
             config.async_scheduling if config.async_scheduling is not None else self.device.type == "cuda"
         )
+        if self.lockstep is not None and self.async_scheduling:
+            if config.async_scheduling:
+                raise ValueError(
+                    "async_scheduling is not used with tensor parallelism (ranks exchange each step's tokens)"
+                )
+            self.async_scheduling = False
         self.in_flight: InFlight | None = None
+        self._ingress = Ingress()  # lockstep root: what this rank's group learns at the next step
+        self._expected: dict[str, tuple] = {}  # lockstep follower: local adds the root must confirm
+        self.stopped = False  # lockstep follower: the root said stop
+        self._abort_outputs: list[RequestOutput] = []  # lockstep follower: the root's aborts, this step
 
     @staticmethod
     def _eos_ids(model, tokenizer) -> set[int]:
@@ -218,42 +238,50 @@ class Engine:
         prompt_token_ids = as_token_ids(prompt_token_ids)
         self.validate(prompt_token_ids, params)
         request_id = request_id or self.new_request_id()
-        if request_id in self.groups:
+        if request_id in self.groups or request_id in self._expected:
             raise ValueError(f"request id {request_id!r} is already in use")
+        if self.lockstep is not None:
+            if not self.lockstep.is_root:
+                # Queued when the root's copy of it arrives (an SPMD program adds the same request).
+                self._expected[request_id] = (prompt_token_ids, params)
+                return request_id
+            self._ingress.adds.append((request_id, prompt_token_ids, params, prompt, stream))
+        self._queue(request_id, prompt_token_ids, params, prompt, stream)
+        return request_id
+
+    def _queue(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        prompt: str | None,
+        stream: bool,
+    ) -> None:
         if params.max_tokens is None or params.max_tokens > self.max_model_len - len(prompt_token_ids):
             params = _with_max_tokens(params, self.max_model_len - len(prompt_token_ids))
         eos = frozenset() if params.ignore_eos else self.eos_token_ids
-        samples = [
-            Request(
-                request_id=request_id if params.n == 1 else f"{request_id}#{i}",
-                prompt_token_ids=prompt_token_ids,
-                params=params,
-                eos_token_ids=eos,
-                group_id=request_id,
-                sample_index=i,
-                prompt=prompt,
-                weight_version=self.weights.version,
-            )
-            for i in range(params.n)
-        ]
-        leader = samples[0]
-        if params.prompt_logprobs is not None:
-            leader.prompt_logprobs = [None]
-        for sample in samples:
+        group = RequestGroup.create(
+            request_id, prompt_token_ids, params, eos, prompt, stream, weight_version=self.weights.version
+        )
+        for sample in group.samples:
             self.output_processor.init_request(sample, stream)
-        leader.followers = samples[1:]
-        for follower in leader.followers:
-            follower.leader = leader
-            follower.status = RequestStatus.WAITING_FOR_FORK
-        self.groups[request_id] = RequestGroup(request_id, prompt, prompt_token_ids, params, samples, stream)
+        self.groups[request_id] = group
+        leader = group.samples[0]
         self.scheduler.add(leader)
         self.stats.prompt_tokens += len(prompt_token_ids)
-        return request_id
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Aborts a request (all its samples) and frees its blocks; returns its final output, or
         None if the id is unknown.  A sample id (``"<request id>#<i>"``, n>1) aborts that sample
-        only; the group's output then comes when the group ends (returned here if that is now)."""
+        only; the group's output then comes when the group ends (returned here if that is now).
+        With tensor parallelism only the root's aborts count (they reach the others next step)."""
+        if self.lockstep is not None:
+            if not self.lockstep.is_root:
+                return None
+            self._ingress.aborts.append(request_id)
+        return self._abort_local(request_id)
+
+    def _abort_local(self, request_id: str) -> RequestOutput | None:
         group = self.groups.get(request_id)
         samples = group.samples if group is not None else None
         if group is None:
@@ -287,7 +315,7 @@ class Engine:
 
     def has_unfinished(self) -> bool:
         """True while any request is queued or running (or its last tokens are not read back)."""
-        return bool(self.groups)
+        return bool(self.groups) or bool(self._expected)
 
     @property
     def num_unfinished(self) -> int:
@@ -298,12 +326,14 @@ class Engine:
     def check_weights(self) -> list[RequestOutput]:
         """Applies the weight-change policy now if the weights changed since the last step; returns
         outputs of requests that ended meanwhile (their in-flight tokens are applied first)."""
+        if self.lockstep is not None:
+            return []  # the root's next step decides for the whole group
         touched: dict[str, RequestGroup] = {}
         self._check_weights(touched)
         return self._outputs(touched)
 
-    def _check_weights(self, touched: dict[str, RequestGroup]) -> None:
-        if not self.weights.changed():
+    def _check_weights(self, touched: dict[str, RequestGroup], changed: bool | None = None) -> None:
+        if not (self.weights.changed() if changed is None else changed):
             return
         # Tokens still on the device were sampled under the old weights: apply them first, then the
         # policy below treats them like the others.  The step planned after them was built for the
@@ -339,31 +369,54 @@ class Engine:
         self.scheduler.remove_finished()
 
     def _restart_group(self, group: RequestGroup) -> list[Request]:
-        """Puts a group back in the state :meth:`add_request` left it in: every sample that did not
-        end by abort or error forgets its tokens, and the first of them prefills for the others.
-        Returns the sequence to queue again (none if every sample was aborted or failed)."""
-        version = self.weights.version
-        samples = []
-        for sample in group.samples:
-            if sample.status in (RequestStatus.FINISHED_ABORTED, RequestStatus.FINISHED_ERROR):
-                continue
-            if sample.is_finished:
-                self.stats.requests_finished -= 1  # it ends again, under the new weights
-            self.scheduler.remove(sample)  # an ended sample may still sit in ``running`` until swept
-            sample.reset_outputs()
-            sample.finish_reason = sample.stop_reason = None
-            sample.first_token_time = None
-            sample.weight_version = version
+        samples = step_update.restart_group(self.scheduler, group)
+        for sample in samples:
+            sample.weight_version = self.weights.version
             self.output_processor.init_request(sample, group.stream)
-            samples.append(sample)
-        if not samples:
-            return []
-        leader, followers = samples[0], samples[1:]
-        leader.leader, leader.followers, leader.fork_seats = None, followers, 0
-        for follower in followers:
-            follower.leader, follower.followers = leader, []
-            follower.status = RequestStatus.WAITING_FOR_FORK
-        return [leader]
+        return samples[:1]
+
+    def _sync_ingress(self, touched: dict[str, RequestGroup]) -> bool | None:
+        """Tensor parallelism: the root's adds, aborts and weight decision, on every rank of the group
+        (None without it: each engine checks its own weights)."""
+        if self.lockstep is None:
+            return None
+        if self.lockstep.is_root:
+            ingress, self._ingress = self._ingress, Ingress()
+            ingress.weights_changed = self.weights.changed()
+            self.lockstep.share(ingress)
+            return ingress.weights_changed
+        ingress: Ingress = self.lockstep.share()
+        for request_id, prompt_token_ids, params, prompt, stream in ingress.adds:
+            mine = self._expected.pop(request_id, None)
+            if mine is not None and mine != (prompt_token_ids, params):
+                raise RuntimeError(
+                    f"rank {self.topology.rank} added {request_id!r} with other tokens or params than the root"
+                )
+            self._queue(request_id, prompt_token_ids, params, prompt, stream)
+        if self._expected:
+            raise RuntimeError(
+                f"rank {self.topology.rank} added requests the root did not: {sorted(self._expected)[:5]} "
+                "(every rank of a tensor-parallel group must add the same requests, or only the root)"
+            )
+        for request_id in ingress.aborts:
+            out = self._abort_local(request_id)
+            if out is not None:
+                self._abort_outputs.append(out)  # returned by this step, as the root's abort() returned it
+        self.stopped = ingress.stop
+        self.weights.changed()  # keep this rank's fingerprint current; the root's decision counts
+        return ingress.weights_changed
+
+    def follow(self) -> None:
+        """The loop of a non-root rank that serves behind its tensor-parallel root (``cbgen serve``):
+        runs the steps the root runs until the root calls :meth:`stop_followers`."""
+        while not self.stopped:
+            self.step()
+
+    def stop_followers(self) -> None:
+        """Root: one last exchange that ends the other ranks' :meth:`follow` loops."""
+        if self.lockstep is not None and self.lockstep.is_root:
+            self._ingress.stop = True
+            self.step()
 
     def reset_prefix_cache(self) -> None:
         """Drops every cached prefix block (they stay valid for the requests that hold them)."""
@@ -378,7 +431,7 @@ class Engine:
             raise RuntimeError("the KV cache was released: call resume_memory() before generating again")
         touched: dict[str, RequestGroup] = {}
         times: dict[str, float] = {}
-        self._check_weights(touched)
+        self._check_weights(touched, self._sync_ingress(touched))
         last, self.in_flight = self.in_flight, None
         plan = self._plan(last, touched, times)
         launched = self._launch(plan.batch, last, times) if plan.batch is not None else None
@@ -394,6 +447,8 @@ class Engine:
         self.scheduler.remove_finished()
         self._account(plan, times)
         outputs = self._outputs(touched)
+        if self._abort_outputs:
+            outputs, self._abort_outputs = self._abort_outputs + outputs, []
         if not self.groups:
             self.in_flight = None  # only ended requests are left in it: hold nothing between rounds
         return outputs
@@ -414,6 +469,10 @@ class Engine:
             self._count_ended(ended)
             touched[request.group_id] = self.groups[request.group_id]
         t1 = time.perf_counter()
+        if self.lockstep is not None:
+            # Before any collective of the forward: ranks that would run different steps stop here.
+            digest = schedule_digest(sched.scheduled)
+            self.lockstep.check_digest(self.lockstep.share(digest), digest)
         batch = self.input_builder.build(sched.scheduled, self.kv_cache.layers) if sched.scheduled else None
         times["schedule"] = times.get("schedule", 0.0) + t1 - t0
         times["build"] = times.get("build", 0.0) + time.perf_counter() - t1
@@ -437,7 +496,13 @@ class Engine:
     def _sample(self, launched: LaunchedStep, times: dict[str, float]) -> LaunchedStep:
         t = time.perf_counter()
         try:
-            launched.sampled = self.sampler(launched.logits, launched.batch.sample_requests)
+            if self.lockstep is None or self.lockstep.is_root:
+                launched.sampled = self.sampler(launched.logits, launched.batch.sample_requests)
+            if self.lockstep is not None:
+                # Every rank applies the root's tokens: one draw, whatever the ranks' logits' last bits.
+                launched.host = self.lockstep.share(
+                    _host_tokens(launched.sampled) if self.lockstep.is_root else None
+                )
         finally:
             times["sample"] = time.perf_counter() - t
         launched.logits = None
@@ -478,7 +543,7 @@ class Engine:
         update = step_update.apply_sampled(
             self.scheduler,
             launched.batch.sample_requests,
-            _host_tokens(launched.sampled),
+            launched.host if launched.host is not None else _host_tokens(launched.sampled),
             launched.crossed,
             max_model_len=self.max_model_len,
             stop_string=self.output_processor.check_stop_strings,

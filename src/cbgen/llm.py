@@ -27,6 +27,11 @@ class LLM:
     ``model`` is an ``nn.Module`` (used as it is, shared with a trainer if you like: no copy, no
     conversion), a local Hugging Face folder, a ``.gguf`` file, or None for the embedded default
     model (SmolLM2-135M-Instruct).  Remaining keyword arguments are :class:`EngineConfig` fields.
+
+    Tensor parallelism: pass a model transformers sharded (``tp_plan="auto"``, or its
+    tensor-parallel API on a module in memory), or a folder with ``tensor_parallel_size=N`` under
+    ``torchrun``; every rank builds its ``LLM`` and calls it the same way (or only rank 0 adds
+    requests and the others run ``llm.engine.follow()``).  See docs/distributed.md.
     """
 
     def __init__(
@@ -43,6 +48,7 @@ class LLM:
         kv_cache_memory: int | None = None,
         enable_prefix_caching: bool = True,
         logits_processors: Sequence = (),
+        tensor_parallel_size: int = 1,
         **engine_kwargs: Any,
     ) -> None:
         if isinstance(model, torch.nn.Module):
@@ -51,7 +57,13 @@ class LLM:
         else:
             from cbgen.model.loader import load_model
 
-            self.model, loaded_tokenizer = load_model(model, dtype=dtype, device=device, tokenizer=tokenizer)
+            self.model, loaded_tokenizer = load_model(
+                model,
+                dtype=dtype,
+                device=device,
+                tokenizer=tokenizer,
+                tensor_parallel_size=tensor_parallel_size,
+            )
             self.tokenizer = tokenizer or loaded_tokenizer
         self.config = EngineConfig(
             max_num_batched_tokens=max_num_batched_tokens,

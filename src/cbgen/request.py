@@ -157,6 +157,41 @@ class RequestGroup:
     samples: list[Request]
     stream: bool = False
 
+    @classmethod
+    def create(
+        cls,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        eos_token_ids: frozenset[int],
+        prompt: str | None = None,
+        stream: bool = False,
+        weight_version: int = 0,
+    ) -> RequestGroup:
+        """A new group of ``params.n`` sequences: sample 0 leads (and holds the prompt logprobs),
+        the others wait to fork from its prompt."""
+        samples = [
+            Request(
+                request_id=request_id if params.n == 1 else f"{request_id}#{i}",
+                prompt_token_ids=prompt_token_ids,
+                params=params,
+                eos_token_ids=eos_token_ids,
+                group_id=request_id,
+                sample_index=i,
+                prompt=prompt,
+                weight_version=weight_version,
+            )
+            for i in range(params.n)
+        ]
+        leader = samples[0]
+        if params.prompt_logprobs is not None:
+            leader.prompt_logprobs = [None]
+        leader.followers = samples[1:]
+        for follower in leader.followers:
+            follower.leader = leader
+            follower.status = RequestStatus.WAITING_FOR_FORK
+        return cls(request_id, prompt, prompt_token_ids, params, samples, stream)
+
     def all_finished(self) -> bool:
         """True once every sample reached a terminal status."""
         return all(s.is_finished for s in self.samples)

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from cbgen import LLM, SamplingParams
-from cbgen.model import cpu_amx, cpu_kernels, fused_decode
+from cbgen.model import cpu_amx, cpu_kernels, fused_decode, packed_linears
 from cbgen.model.fused_decode import FusedDecoder
 from oracle import compare, hf_greedy
 from tiny_models import make_model, make_prompts
@@ -295,7 +295,7 @@ def test_packed_group_equals_separate_linears(dtype, rows, width) -> None:
 
 def test_rows_past_the_amx_limit_run_plain_linears(monkeypatch) -> None:
     """A bf16 input with more rows than the AMX kernel takes gets torch's own linears, bit for bit."""
-    monkeypatch.setattr(fused_decode, "_AMX_MAX_ROWS", 4)
+    monkeypatch.setattr(packed_linears, "AMX_MAX_ROWS", 4)
     gen = torch.Generator().manual_seed(1)
     layers = (nn.Linear(256, 256).to(torch.bfloat16), nn.Linear(256, 128).to(torch.bfloat16))
     x = torch.randn(5, 256, generator=gen).to(torch.bfloat16)

@@ -25,7 +25,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from cbgen.core.scheduler import Scheduler
-from cbgen.request import Request, RequestStatus
+from cbgen.request import Request, RequestGroup, RequestStatus
 
 # (request, its newest token) -> the stop string that token completed, or None.
 StopStringCheck = Callable[[Request, int], "str | None"]
@@ -206,3 +206,29 @@ def finish(
         for follower in list(r.followers):
             ended += finish(scheduler, follower, status, error)
     return ended
+
+
+def restart_group(scheduler: Scheduler, group: RequestGroup) -> list[Request]:
+    """Puts a group back in the state it was added in (a weight change: every output must come from
+    one weight version).  Every sample that did not end by abort or error forgets its tokens, those
+    that had finished included, and the first of them prefills again for the others.  Returns the
+    revived samples, leader first (the caller queues the leader and resets their text state)."""
+    samples = []
+    for sample in group.samples:
+        if sample.status in (RequestStatus.FINISHED_ABORTED, RequestStatus.FINISHED_ERROR):
+            continue
+        if sample.is_finished:
+            scheduler.stats.requests_finished -= 1  # it ends again, under the new weights
+        scheduler.remove(sample)  # an ended sample may still sit in ``running`` until swept
+        sample.reset_outputs()
+        sample.finish_reason = sample.stop_reason = None
+        sample.first_token_time = None
+        samples.append(sample)
+    if samples:
+        leader, followers = samples[0], samples[1:]
+        leader.leader, leader.followers, leader.fork_seats = None, followers, 0
+        leader.status = RequestStatus.WAITING
+        for follower in followers:
+            follower.leader, follower.followers = leader, []
+            follower.status = RequestStatus.WAITING_FOR_FORK
+    return samples

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
+from cbgen.distributed.topology import local_kv_heads
 from cbgen.utils import advise_huge_pages
 
 logger = logging.getLogger("cbgen")
@@ -33,11 +34,14 @@ class KVGeometry:
 
     @classmethod
     def from_model(cls, model: torch.nn.Module, dtype: torch.dtype) -> KVGeometry:
-        """Reads layers, KV heads and head size from the model's (text) config."""
+        """Reads layers, KV heads and head size from the model's (text) config (KV heads: this
+        rank's share under tensor parallelism)."""
         config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
         num_heads = config.num_attention_heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
         num_kv_heads = getattr(config, "num_key_value_heads", None) or num_heads
+        # A tensor-parallel rank's attention sees only its share of the heads: cache that share.
+        num_kv_heads = local_kv_heads(model, num_heads, num_kv_heads, head_dim)
         return cls(config.num_hidden_layers, num_kv_heads, head_dim, dtype)
 
     def bytes_per_block(self, block_size: int) -> int:

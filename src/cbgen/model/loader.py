@@ -193,6 +193,7 @@ def load_model(
     dtype: str | torch.dtype = "auto",
     device: str | torch.device | None = None,
     tokenizer: str | os.PathLike[str] | PreTrainedTokenizerBase | bool | None = None,
+    tensor_parallel_size: int = 1,
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase | None]:
     """Load a causal LM (in eval mode, on ``device``) and its tokenizer.
 
@@ -207,9 +208,15 @@ def load_model(
     ``tokenizer``: ``None`` loads it from the model's source (``None`` is returned, with a warning,
     if the source has none); a path loads it from there; a tokenizer object is returned as given;
     ``False`` skips it.
+
+    ``tensor_parallel_size`` > 1 shards a folder's model with transformers' own tensor parallelism
+    (``tp_plan="auto"``) across that many ranks of ``torch.distributed`` (started by ``torchrun``;
+    initialised here from its environment if needed, gloo on CPU, NCCL on CUDA).
     """
     source = _resolve_source(model)
     target_device = resolve_device(device)
+    if tensor_parallel_size > 1:
+        return _load_tensor_parallel(source, dtype, target_device, tensor_parallel_size, tokenizer)
 
     if source.gguf is not None:
         torch_dtype = resolve_dtype(dtype, None, target_device)
@@ -236,6 +243,40 @@ def load_model(
         getattr(loaded.config, "_attn_implementation", "?"),
     )
     return loaded, tok
+
+
+def _load_tensor_parallel(
+    source: _Source, dtype: str | torch.dtype, device: torch.device, size: int, tokenizer: Any
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase | None]:
+    import torch.distributed as dist
+    from transformers import AutoModelForCausalLM
+
+    if source.gguf is not None:
+        raise ValueError(
+            "tensor parallelism loads a model folder; convert the .gguf file with save_pretrained"
+        )
+    if not dist.is_initialized():
+        if "RANK" not in os.environ:
+            raise ValueError(
+                "tensor_parallel_size > 1 needs torch.distributed: start the script with torchrun"
+            )
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    if dist.get_world_size() % size:
+        raise ValueError(f"tensor_parallel_size={size} does not divide the {dist.get_world_size()} ranks")
+    torch_dtype = resolve_dtype(dtype, _config_dtype(source.name_or_path), device)
+    mesh = None
+    if dist.get_world_size() != size:
+        # Several tensor-parallel groups (data parallelism across them): one mesh row per group.
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh(
+            device.type, (dist.get_world_size() // size, size), mesh_dim_names=("dp", "tp")
+        )["tp"]
+    loaded = AutoModelForCausalLM.from_pretrained(
+        source.name_or_path, dtype=torch_dtype, local_files_only=True, tp_plan="auto", device_mesh=mesh
+    )
+    loaded.eval()
+    return loaded, _load_tokenizer(tokenizer, source)
 
 
 # --------------------------------------------------------------------------- source resolution

@@ -39,7 +39,7 @@ class WeightWatcher:
         _install_optimizer_hook()
         self.model = model
         self._forced = 0
-        self._params = [p for _, p in model.named_parameters()] + [b for _, b in model.named_buffers()]
+        self._params = _local_tensors(model)
         self._adapter_modules = _adapter_layers(model)
         self._last = self.fingerprint()
         self.version = 0
@@ -60,9 +60,7 @@ class WeightWatcher:
 
     def refresh_modules(self) -> None:
         """Re-reads the parameter list (after adapters are added or removed)."""
-        self._params = [p for _, p in self.model.named_parameters()] + [
-            b for _, b in self.model.named_buffers()
-        ]
+        self._params = _local_tensors(self.model)
         self._adapter_modules = _adapter_layers(self.model)
 
     def changed(self) -> bool:
@@ -87,3 +85,13 @@ def _adapter_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
         if isinstance(flag, property) and hasattr(m, "active_adapters"):
             layers.append(m)
     return layers
+
+
+def _local_tensors(model: torch.nn.Module) -> list[torch.Tensor]:
+    """Parameters and buffers; a tensor-parallel (DTensor) one as this rank's shard, whose version
+    counter and storage are what in-place updates change."""
+    out = []
+    for t in [*model.parameters(), *model.buffers()]:
+        local = getattr(t, "_local_tensor", None)
+        out.append(local if isinstance(local, torch.Tensor) else t)
+    return out

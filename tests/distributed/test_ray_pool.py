@@ -1,0 +1,71 @@
+"""EnginePool: two Ray actors give one engine's greedy outputs; an actor that dies mid-run fails
+only its own requests, and the pool keeps serving with the other."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+ray = pytest.importorskip("ray")
+
+from cbgen import LLM, SamplingParams  # noqa: E402
+from cbgen.distributed import EnginePool  # noqa: E402
+from tiny_models import make_model, make_prompts  # noqa: E402
+
+GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("ray") / "llama"
+    make_model("llama", vocab_size=300).save_pretrained(path)
+    ray.init(num_cpus=2, include_dashboard=False, object_store_memory=150 << 20, log_to_driver=False)
+    yield path
+    ray.shutdown()
+
+
+def _reference(path, prompts):
+    llm = LLM(str(path), block_size=8, tokenizer=False)
+    return [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+
+
+def test_two_actors_equal_one_engine(model_dir):
+    prompts = make_prompts(24, lengths=(3, 40), vocab=300, seed=2)
+    pool = EnginePool(2, str(model_dir), num_cpus=1, block_size=8, tokenizer=False)
+    try:
+        outs = pool.generate(prompts, GREEDY)
+    finally:
+        pool.shutdown()
+    assert [o.outputs[0].token_ids for o in outs] == _reference(model_dir, prompts)
+    assert all(o.error is None for o in outs)
+
+
+def test_a_dying_actor_fails_only_its_requests(model_dir):
+    prompts = make_prompts(40, lengths=(3, 40), vocab=300, seed=3)
+    ref = _reference(model_dir, prompts)
+    pool = EnginePool(2, str(model_dir), num_cpus=1, block_size=8, tokenizer=False, chunk_size=2)
+    victim = pool.actors[1]
+    killer = threading.Timer(0.5, lambda: ray.kill(victim))
+    killer.start()
+    try:
+        outs = pool.generate(prompts, SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True))
+        failed = [i for i, o in enumerate(outs) if o.error is not None]
+        assert failed, "the killed actor held no request (the kill came too late?)"
+        assert all(outs[i].outputs[0].finish_reason == "error" and "died" in outs[i].error for i in failed)
+        long_ref = _reference_long(model_dir, prompts)
+        for i, o in enumerate(outs):
+            if i not in failed:
+                assert o.outputs[0].token_ids == long_ref[i]
+        assert pool.num_alive == 1
+        again = pool.generate(prompts[:6], GREEDY)  # the pool keeps serving with the survivor
+        assert [o.outputs[0].token_ids for o in again] == ref[:6]
+    finally:
+        killer.cancel()
+        pool.shutdown()
+
+
+def _reference_long(path, prompts):
+    llm = LLM(str(path), block_size=8, tokenizer=False)
+    params = SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True)
+    return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]

@@ -1,0 +1,180 @@
+"""One rank of a distributed test, started by ``torchrun`` from tests/distributed/test_*.py.
+
+``python -m torch.distributed.run --standalone --nproc-per-node 2 worker.py SCENARIO OUT_DIR [ARCH]``
+writes ``OUT_DIR/<scenario>-rank<r>.json``; the tests read and compare the ranks' files.
+Everything runs on CPU with gloo.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+TESTS = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(TESTS))
+
+from transformers import AutoModelForCausalLM  # noqa: E402
+
+from cbgen import LLM, SamplingParams  # noqa: E402
+from cbgen.core.update import SampledTokens  # noqa: E402
+from cbgen.distributed import generate_dp  # noqa: E402
+from cbgen.distributed.lockstep import Ingress, Lockstep  # noqa: E402
+from cbgen.distributed.topology import Topology  # noqa: E402
+from oracle import compare, hf_greedy  # noqa: E402
+from tiny_models import make_model  # noqa: E402
+
+PROMPTS = [[5, 6, 7, 8], list(range(20, 50)), [9, 10], list(range(60, 75))]
+GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+SAMPLED = SamplingParams(n=3, max_tokens=8, temperature=1.0, seed=11, ignore_eos=True)
+CONFIGS = [
+    {"attention_backend": "torch", "decode_mode": "eager"},
+    {"attention_backend": "cpu", "decode_mode": "eager", "fused_decode": True},
+    {"attention_backend": "cpu", "decode_mode": "eager", "fused_decode": False},
+    {"attention_backend": "cpu", "decode_mode": "static"},
+    {"attention_backend": "torch", "decode_mode": "static"},
+]
+
+
+def _save_tiny(arch: str, out: Path, **overrides) -> Path:
+    path = out / f"model-{arch}"
+    if dist.get_rank() == 0:
+        make_model(arch, vocab_size=300, **overrides).save_pretrained(path)
+    dist.barrier()
+    return path
+
+
+def _tokens(outs) -> list:
+    return [[c.token_ids for c in o.outputs] for o in outs]
+
+
+def scenario_tp(out: Path, arch: str) -> dict:
+    path = _save_tiny(arch, out)
+    full = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    refs = [hf_greedy(full, p, GREEDY.max_tokens) for p in PROMPTS]
+    result = {"configs": {}, "sampled": {}}
+    for i, config in enumerate(CONFIGS):
+        # The first config loads through the folder path, the others reuse one sharded module.
+        if i == 0:
+            llm = LLM(str(path), tensor_parallel_size=2, block_size=8, tokenizer=False, **config)
+            sharded = llm.model
+        else:
+            llm = LLM(sharded, block_size=8, **config)
+        got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
+        near_ties = compare(full, PROMPTS, got, refs)
+        result["configs"][str(i)] = {
+            "tokens": got,
+            "near_ties": near_ties,
+            "kv_heads": llm.engine.kv_cache.geometry.num_kv_heads,
+            "fused": llm.engine.runner.fused is not None,
+            "blocks_free": llm.engine.block_manager.num_used_blocks == 0,
+        }
+        result["sampled"][str(i)] = _tokens(llm.generate([PROMPTS[0]], SAMPLED, use_tqdm=False))
+    return result
+
+
+def scenario_update(out: Path, arch: str) -> dict:
+    path = _save_tiny(arch, out)
+    full = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    sharded = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, tp_plan="auto")
+    llm = LLM(sharded, block_size=8)
+    first = _tokens(llm.generate(PROMPTS, GREEDY, use_tqdm=False))
+    batch = torch.tensor([list(range(30, 46))])
+    for model in (full, sharded):
+        opt = torch.optim.SGD(model.parameters(), lr=0.5)
+        model.train()
+        model(batch, labels=batch).loss.backward()
+        opt.step()
+        model.eval()
+    second = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
+    refs = [o.outputs[0].token_ids for o in LLM(full, block_size=8).generate(PROMPTS, GREEDY, use_tqdm=False)]
+    near_ties = compare(full, PROMPTS, second, refs)
+    return {"first": first, "second": second, "near_ties": near_ties, "version": llm.weight_version}
+
+
+def scenario_bad_heads(out: Path, arch: str) -> dict:
+    path = _save_tiny(arch, out, num_attention_heads=6, num_key_value_heads=3, hidden_size=96)
+    sharded = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, tp_plan="auto")
+    try:
+        LLM(sharded, block_size=8)
+    except ValueError as exc:
+        return {"error": str(exc)}
+    return {"error": None}
+
+
+def scenario_dp(out: Path, arch: str) -> dict:
+    path = _save_tiny(arch, out)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    llm = LLM(model, block_size=8)
+    prompts = [*PROMPTS, [11, 12, 13], [14, 15], list(range(80, 90))]
+    dp = _tokens(generate_dp(llm, prompts, GREEDY, use_tqdm=False))
+    alone = _tokens(LLM(model, block_size=8).generate(prompts, GREEDY, use_tqdm=False))
+    unseeded = SamplingParams(max_tokens=12, temperature=1.0, ignore_eos=True)
+    sampled = _tokens(llm.generate([PROMPTS[1]], unseeded, use_tqdm=False))
+    seeded = _tokens(llm.generate([PROMPTS[1]], dataclasses.replace(unseeded, seed=5), use_tqdm=False))
+    return {"dp": dp, "alone": alone, "unseeded": sampled, "seeded": seeded}
+
+
+def scenario_driver(out: Path, arch: str) -> dict:
+    """Only the root takes requests (as ``cbgen serve`` does); the other rank follows its steps."""
+    path = _save_tiny(arch, out)
+    sharded = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, tp_plan="auto")
+    llm = LLM(sharded, block_size=8)
+    engine = llm.engine
+    if dist.get_rank() != 0:
+        engine.follow()
+        return {"groups_left": len(engine.groups), "steps": engine.stats.steps}
+    ids = [engine.add_request(p, GREEDY) for p in PROMPTS]
+    victim = engine.add_request(list(range(100, 140)), SamplingParams(max_tokens=50, ignore_eos=True))
+    finished: dict = {}
+    while engine.has_unfinished():
+        if engine.stats.steps == 3:
+            finished[victim] = engine.abort(victim)  # the final output comes back at once
+        finished.update({o.request_id: o for o in engine.step() if o.finished})
+    for _ in range(3):
+        engine.step()  # idle steps keep the follower in step (a server's heartbeat)
+    engine.stop_followers()
+    full = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    got = [finished[i].outputs[0].token_ids for i in ids]
+    near_ties = compare(full, PROMPTS, got, [hf_greedy(full, p, GREEDY.max_tokens) for p in PROMPTS])
+    return {
+        "near_ties": near_ties,
+        "aborted": finished[victim].outputs[0].finish_reason,
+        "groups_left": len(engine.groups),
+        "steps": engine.stats.steps,
+    }
+
+
+def scenario_lockstep_cost(out: Path, arch: str) -> dict:
+    """What the protocol adds to a step: an ingress, a schedule digest and 64 rows of sampled tokens."""
+    lock = Lockstep(Topology(dist.get_rank(), 2, (0, 1)))
+    rows = 64
+    sampled = SampledTokens([1] * rows, [0.0] * rows, [-1.5] * rows, [0.0] * rows)
+    for _ in range(5):
+        lock.share(Ingress())
+    start, steps = time.perf_counter(), 200
+    for _ in range(steps):
+        lock.share(Ingress())
+        lock.share(12345)
+        lock.share(sampled)
+    return {"ms_per_step": (time.perf_counter() - start) / steps * 1e3}
+
+
+def main() -> None:
+    scenario, out, arch = sys.argv[1], Path(sys.argv[2]), (sys.argv[3] if len(sys.argv) > 3 else "llama")
+    dist.init_process_group("gloo")
+    torch.manual_seed(0)
+    result = globals()[f"scenario_{scenario}"](out, arch)
+    result["rank"] = dist.get_rank()
+    (out / f"{scenario}-{arch}-rank{dist.get_rank()}.json").write_text(json.dumps(result))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
