@@ -30,7 +30,7 @@ from cbgen.core.block_manager import BlockManager
 from cbgen.core.scheduler import Scheduler, SchedulerOutput
 from cbgen.core.stats import EngineStats, StepStats
 from cbgen.core.update import SampledTokens
-from cbgen.distributed.lockstep import Ingress, Lockstep, schedule_digest
+from cbgen.distributed.lockstep import GroupSync, Lockstep
 from cbgen.distributed.topology import topology_of
 from cbgen.inputs import as_token_ids
 from cbgen.model.backends import select_backend
@@ -143,9 +143,8 @@ class Engine:
         builtins = [p for p in (AllowedTokensProcessor(), BadWordsProcessor()) if p.name not in user_names]
         # Tensor parallelism (transformers' own): the group's root decides each step (see lockstep).
         self.topology = topology_of(model)
-        self.lockstep = (
-            Lockstep(self.topology, config.distributed_timeout) if self.topology.tp_size > 1 else None
-        )
+        lockstep = Lockstep(self.topology, config.distributed_timeout) if self.topology.tp_size > 1 else None
+        self.sync = GroupSync(lockstep) if lockstep is not None else None
         # Unseeded sampling differs between data-parallel replicas by default, never inside a group.
         seed = config.seed if config.seed is not None else self.topology.replica
         self.sampler = Sampler(self.vocab_size, [*builtins, *logits_processors], seed=seed)
@@ -159,17 +158,13 @@ class Engine:
         self.async_scheduling = (
             config.async_scheduling if config.async_scheduling is not None else self.device.type == "cuda"
         )
-        if self.lockstep is not None and self.async_scheduling:
+        if self.sync is not None and self.async_scheduling:
             if config.async_scheduling:
                 raise ValueError(
                     "async_scheduling is not used with tensor parallelism (ranks exchange each step's tokens)"
                 )
             self.async_scheduling = False
         self.in_flight: InFlight | None = None
-        self._ingress = Ingress()  # lockstep root: what this rank's group learns at the next step
-        self._expected: dict[str, tuple] = {}  # lockstep follower: local adds the root must confirm
-        self.stopped = False  # lockstep follower: the root said stop
-        self._abort_outputs: list[RequestOutput] = []  # lockstep follower: the root's aborts, this step
 
     @staticmethod
     def _eos_ids(model, tokenizer) -> set[int]:
@@ -238,14 +233,12 @@ class Engine:
         prompt_token_ids = as_token_ids(prompt_token_ids)
         self.validate(prompt_token_ids, params)
         request_id = request_id or self.new_request_id()
-        if request_id in self.groups or request_id in self._expected:
+        if request_id in self.groups or (self.sync is not None and request_id in self.sync.expected):
             raise ValueError(f"request id {request_id!r} is already in use")
-        if self.lockstep is not None:
-            if not self.lockstep.is_root:
-                # Queued when the root's copy of it arrives (an SPMD program adds the same request).
-                self._expected[request_id] = (prompt_token_ids, params)
-                return request_id
-            self._ingress.adds.append((request_id, prompt_token_ids, params, prompt, stream))
+        if self.sync is not None and not self.sync.on_add(
+            request_id, prompt_token_ids, params, prompt, stream
+        ):
+            return request_id  # a follower queues it when the root's copy arrives
         self._queue(request_id, prompt_token_ids, params, prompt, stream)
         return request_id
 
@@ -275,10 +268,8 @@ class Engine:
         None if the id is unknown.  A sample id (``"<request id>#<i>"``, n>1) aborts that sample
         only; the group's output then comes when the group ends (returned here if that is now).
         With tensor parallelism only the root's aborts count (they reach the others next step)."""
-        if self.lockstep is not None:
-            if not self.lockstep.is_root:
-                return None
-            self._ingress.aborts.append(request_id)
+        if self.sync is not None and not self.sync.on_abort(request_id):
+            return None
         return self._abort_local(request_id)
 
     def _abort_local(self, request_id: str) -> RequestOutput | None:
@@ -315,7 +306,7 @@ class Engine:
 
     def has_unfinished(self) -> bool:
         """True while any request is queued or running (or its last tokens are not read back)."""
-        return bool(self.groups) or bool(self._expected)
+        return bool(self.groups) or (self.sync is not None and bool(self.sync.expected))
 
     @property
     def num_unfinished(self) -> int:
@@ -326,7 +317,7 @@ class Engine:
     def check_weights(self) -> list[RequestOutput]:
         """Applies the weight-change policy now if the weights changed since the last step; returns
         outputs of requests that ended meanwhile (their in-flight tokens are applied first)."""
-        if self.lockstep is not None:
+        if self.sync is not None:
             return []  # the root's next step decides for the whole group
         touched: dict[str, RequestGroup] = {}
         self._check_weights(touched)
@@ -375,47 +366,16 @@ class Engine:
             self.output_processor.init_request(sample, group.stream)
         return samples[:1]
 
-    def _sync_ingress(self, touched: dict[str, RequestGroup]) -> bool | None:
-        """Tensor parallelism: the root's adds, aborts and weight decision, on every rank of the group
-        (None without it: each engine checks its own weights)."""
-        if self.lockstep is None:
-            return None
-        if self.lockstep.is_root:
-            ingress, self._ingress = self._ingress, Ingress()
-            ingress.weights_changed = self.weights.changed()
-            self.lockstep.share(ingress)
-            return ingress.weights_changed
-        ingress: Ingress = self.lockstep.share()
-        for request_id, prompt_token_ids, params, prompt, stream in ingress.adds:
-            mine = self._expected.pop(request_id, None)
-            if mine is not None and mine != (prompt_token_ids, params):
-                raise RuntimeError(
-                    f"rank {self.topology.rank} added {request_id!r} with other tokens or params than the root"
-                )
-            self._queue(request_id, prompt_token_ids, params, prompt, stream)
-        if self._expected:
-            raise RuntimeError(
-                f"rank {self.topology.rank} added requests the root did not: {sorted(self._expected)[:5]} "
-                "(every rank of a tensor-parallel group must add the same requests, or only the root)"
-            )
-        for request_id in ingress.aborts:
-            out = self._abort_local(request_id)
-            if out is not None:
-                self._abort_outputs.append(out)  # returned by this step, as the root's abort() returned it
-        self.stopped = ingress.stop
-        self.weights.changed()  # keep this rank's fingerprint current; the root's decision counts
-        return ingress.weights_changed
-
     def follow(self) -> None:
         """The loop of a non-root rank that serves behind its tensor-parallel root (``cbgen serve``):
         runs the steps the root runs until the root calls :meth:`stop_followers`."""
-        while not self.stopped:
+        while self.sync is not None and not self.sync.stopped:
             self.step()
 
     def stop_followers(self) -> None:
         """Root: one last exchange that ends the other ranks' :meth:`follow` loops."""
-        if self.lockstep is not None and self.lockstep.is_root:
-            self._ingress.stop = True
+        if self.sync is not None and self.sync.is_root:
+            self.sync.ingress.stop = True
             self.step()
 
     def reset_prefix_cache(self) -> None:
@@ -431,7 +391,10 @@ class Engine:
             raise RuntimeError("the KV cache was released: call resume_memory() before generating again")
         touched: dict[str, RequestGroup] = {}
         times: dict[str, float] = {}
-        self._check_weights(touched, self._sync_ingress(touched))
+        changed = None
+        if self.sync is not None:  # tensor parallelism: the root's adds, aborts and weight decision
+            changed = self.sync.exchange(self.weights.changed, self._queue, self._abort_local)
+        self._check_weights(touched, changed)
         last, self.in_flight = self.in_flight, None
         plan = self._plan(last, touched, times)
         launched = self._launch(plan.batch, last, times) if plan.batch is not None else None
@@ -447,8 +410,8 @@ class Engine:
         self.scheduler.remove_finished()
         self._account(plan, times)
         outputs = self._outputs(touched)
-        if self._abort_outputs:
-            outputs, self._abort_outputs = self._abort_outputs + outputs, []
+        if self.sync is not None and self.sync.abort_outputs:
+            outputs, self.sync.abort_outputs = self.sync.abort_outputs + outputs, []
         if not self.groups:
             self.in_flight = None  # only ended requests are left in it: hold nothing between rounds
         return outputs
@@ -469,10 +432,8 @@ class Engine:
             self._count_ended(ended)
             touched[request.group_id] = self.groups[request.group_id]
         t1 = time.perf_counter()
-        if self.lockstep is not None:
-            # Before any collective of the forward: ranks that would run different steps stop here.
-            digest = schedule_digest(sched.scheduled)
-            self.lockstep.check_digest(self.lockstep.share(digest), digest)
+        if self.sync is not None:
+            self.sync.check_schedule(sched.scheduled)
         batch = self.input_builder.build(sched.scheduled, self.kv_cache.layers) if sched.scheduled else None
         times["schedule"] = times.get("schedule", 0.0) + t1 - t0
         times["build"] = times.get("build", 0.0) + time.perf_counter() - t1
@@ -496,12 +457,12 @@ class Engine:
     def _sample(self, launched: LaunchedStep, times: dict[str, float]) -> LaunchedStep:
         t = time.perf_counter()
         try:
-            if self.lockstep is None or self.lockstep.is_root:
+            if self.sync is None or self.sync.is_root:
                 launched.sampled = self.sampler(launched.logits, launched.batch.sample_requests)
-            if self.lockstep is not None:
+            if self.sync is not None:
                 # Every rank applies the root's tokens: one draw, whatever the ranks' logits' last bits.
-                launched.host = self.lockstep.share(
-                    _host_tokens(launched.sampled) if self.lockstep.is_root else None
+                launched.host = self.sync.share_sample(
+                    _host_tokens(launched.sampled) if self.sync.is_root else None
                 )
         finally:
             times["sample"] = time.perf_counter() - t

@@ -20,6 +20,7 @@ that says so, rather than hang.
 from __future__ import annotations
 
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -90,3 +91,84 @@ class Lockstep:
         if self.group is not None:
             torch.distributed.destroy_process_group(self.group)
             self.group = None
+
+
+class GroupSync:
+    """The engine's side of the lockstep: what its rank records between steps, and the exchanges.
+
+    The root records its adds and aborts (they go out with the next step); a follower records its
+    own adds only to check them against the root's (an SPMD program adds the same requests), and
+    never queues anything the root did not send."""
+
+    def __init__(self, lockstep: Lockstep) -> None:
+        self.lockstep = lockstep
+        self.ingress = Ingress()  # root: what the group learns at the next step
+        self.expected: dict[str, tuple] = {}  # follower: local adds the root must confirm
+        self.stopped = False  # follower: the root said stop
+        self.abort_outputs: list = []  # follower: outputs of the root's aborts, returned by this step
+
+    @property
+    def is_root(self) -> bool:
+        """Whether this rank decides for the group."""
+        return self.lockstep.is_root
+
+    def on_add(
+        self, request_id: str, prompt_token_ids: list[int], params: Any, prompt: Any, stream: bool
+    ) -> bool:
+        """Records an add; True when this rank queues it now (the root), False when it waits for
+        the root's copy (a follower)."""
+        if not self.is_root:
+            self.expected[request_id] = (prompt_token_ids, params)
+            return False
+        self.ingress.adds.append((request_id, prompt_token_ids, params, prompt, stream))
+        return True
+
+    def on_abort(self, request_id: str) -> bool:
+        """Records an abort; True when this rank aborts now (only the root's aborts count)."""
+        if self.is_root:
+            self.ingress.aborts.append(request_id)
+        return self.is_root
+
+    def exchange(
+        self,
+        weights_changed: Callable[[], bool],
+        queue: Callable[..., None],
+        abort: Callable[[str], Any],
+    ) -> bool:
+        """The exchange before a step: the root sends its adds, aborts and weight decision; a
+        follower queues and aborts as told (checking its own adds) and returns the root's decision."""
+        if self.is_root:
+            ingress, self.ingress = self.ingress, Ingress()
+            ingress.weights_changed = weights_changed()
+            self.lockstep.share(ingress)
+            return ingress.weights_changed
+        ingress: Ingress = self.lockstep.share()
+        rank = self.lockstep.topology.rank
+        for request_id, prompt_token_ids, params, prompt, stream in ingress.adds:
+            mine = self.expected.pop(request_id, None)
+            if mine is not None and mine != (prompt_token_ids, params):
+                raise RuntimeError(
+                    f"rank {rank} added {request_id!r} with other tokens or params than the root"
+                )
+            queue(request_id, prompt_token_ids, params, prompt, stream)
+        if self.expected:
+            raise RuntimeError(
+                f"rank {rank} added requests the root did not: {sorted(self.expected)[:5]} (every rank "
+                "of a tensor-parallel group must add the same requests, or only the root)"
+            )
+        for request_id in ingress.aborts:
+            out = abort(request_id)
+            if out is not None:
+                self.abort_outputs.append(out)  # returned by this step, as the root's abort() returned it
+        self.stopped = ingress.stop
+        weights_changed()  # keep this rank's fingerprint current; the root's decision counts
+        return ingress.weights_changed
+
+    def check_schedule(self, scheduled: list) -> None:
+        """Before any collective of the forward: ranks that would run different steps stop here."""
+        digest = schedule_digest(scheduled)
+        self.lockstep.check_digest(self.lockstep.share(digest), digest)
+
+    def share_sample(self, host: Any) -> Any:
+        """The root's sampled tokens (``host``, on the root) on every rank: one draw for the group."""
+        return self.lockstep.share(host if self.is_root else None)
