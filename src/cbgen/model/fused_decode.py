@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from cbgen.model import cpu_amx, cpu_kernels
+from cbgen.model import cpu_amx, cpu_kernels, gemm_choice
 from cbgen.model.attention import AttentionMetadata
 from cbgen.model.backends import CpuBackend
 from cbgen.model.packed_linears import AMX_MAX_ROWS, PackedLinears
@@ -295,7 +295,7 @@ class FusedDecoder:
         if plan is None:
             plan = self._plan = _Plan.of(self.model)
         if self._linear is None:
-            self._linear = PackedLinears(plan.dtype, enabled=self._prepack)
+            self._linear = PackedLinears(plan.dtype, enabled=self._prepack, plan=self._gemm_plan(plan))
             self._versions = None
         # In-place updates (optimizer steps, copy_) bump version counters: one pass over every
         # parameter here lets the ~120 projection calls of a step skip their own checks.
@@ -304,6 +304,20 @@ class FusedDecoder:
             self._linear.clear()
             self._versions = versions
         return plan
+
+    def _gemm_plan(self, plan: _Plan) -> gemm_choice.GemmPlan | None:
+        """The projection GEMMs for this model, measured on this machine once (cached on disk)."""
+        if not self._prepack:
+            return None
+        groups = [(layer.qkv, (layer.o_proj,), layer.gate_up, (layer.down_proj,)) for layer in plan.layers]
+        shapes = [(sum(m.weight.shape[0] for m in g), g[0].weight.shape[1]) for g in groups[0]]
+
+        def make_layers() -> list[list[torch.Tensor]]:
+            per_layer = sum(n * k for n, k in shapes) * plan.layers[0].qkv[0].weight.element_size()
+            count = gemm_choice.timing_layer_count(per_layer, len(groups))
+            return [[torch.cat([m.weight.detach() for m in g]) for g in layer] for layer in groups[:count]]
+
+        return gemm_choice.choose(plan.dtype, shapes, make_layers)
 
     def prepare(self) -> None:
         """Packs every projection now (at engine start) rather than in the first step; the copies
@@ -359,10 +373,11 @@ class FusedDecoder:
             groups = (layer.qkv, (layer.o_proj,), layer.gate_up, (layer.down_proj,))
             for (weight_field, bias_field), modules in zip(_C_PROJ_FIELDS, groups):
                 entry = linear.entry(modules, checked=False)
-                if entry is None or entry[1] is None or entry[1].dim() != 6:
+                packed = entry.packed.get("amx") if entry is not None else None
+                if packed is None or linear.plan.decode.name != "amx":
                     return None
-                row[weight_field] = entry[1].data_ptr()
-                row[bias_field] = 0 if entry[3] is None else entry[3].data_ptr()
+                row[weight_field] = packed.data_ptr()
+                row[bias_field] = 0 if entry.bias is None else entry.bias.data_ptr()
             row.update(POST_NORM=layer.post_norm[0].data_ptr(), NEXT_NORM=next_norm[0].data_ptr())
             row.update(K_CACHE=k_cache.data_ptr(), V_CACHE=v_cache.data_ptr(), WINDOW=layer.window)
             words.append(row)
