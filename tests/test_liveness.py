@@ -210,3 +210,23 @@ def test_one_sample_of_a_group_can_be_aborted(m):
     assert [c.finish_reason for c in outs[rid].outputs] == ["length", "abort", "length"]
     assert len(outs[rid].outputs[0].token_ids) == 6
     assert engine.block_manager.num_used_blocks == 0
+
+
+def test_weight_change_after_a_sample_was_aborted_keeps_one_version_per_output():
+    """Found by the fuzz soak: a sample aborted under the old weights kept its old tokens in a group
+    restarted under the new ones, and the output's weight_version claimed the new version for both."""
+    model = make_model("llama", vocab_size=300, seed=5)
+    llm = LLM(model, block_size=1, max_num_seqs=1, max_num_batched_tokens=22, enable_prefix_caching=False)
+    engine = llm.engine
+    rid = engine.add_request([91, 41], SamplingParams(n=3, max_tokens=4, temperature=0.0, ignore_eos=True))
+    engine.step()
+    engine.abort(f"{rid}#0")
+    engine.step()
+    with torch.no_grad():
+        model.model.layers[0].mlp.down_proj.weight.mul_(0.5)
+    outs = _drive(llm, 200)
+    ref = hf_greedy(model, [91, 41], 4)
+    out = outs[rid]
+    assert out.weight_version == 1
+    assert [c.finish_reason for c in out.outputs] == ["abort", "length", "length"]
+    assert [c.token_ids for c in out.outputs] == [[], ref, ref]

@@ -361,7 +361,7 @@ class Engine:
 
     def _restart_group(self, group: RequestGroup) -> list[Request]:
         samples = step_update.restart_group(self.scheduler, group)
-        for sample in samples:
+        for sample in group.samples:
             sample.weight_version = self.weights.version
             self.output_processor.init_request(sample, group.stream)
         return samples[:1]

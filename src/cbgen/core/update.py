@@ -210,12 +210,14 @@ def finish(
 
 def restart_group(scheduler: Scheduler, group: RequestGroup) -> list[Request]:
     """Puts a group back in the state it was added in (a weight change: every output must come from
-    one weight version).  Every sample that did not end by abort or error forgets its tokens, those
-    that had finished included, and the first of them prefills again for the others.  Returns the
-    revived samples, leader first (the caller queues the leader and resets their text state)."""
+    one weight version).  Every sample forgets its tokens, those that had finished included; those
+    that did not end by abort or error run again, the first of them prefilling for the others.
+    Returns the revived samples, leader first (the caller queues the leader and resets their text
+    state)."""
     samples = []
     for sample in group.samples:
         if sample.status in (RequestStatus.FINISHED_ABORTED, RequestStatus.FINISHED_ERROR):
+            sample.reset_outputs()  # it stays ended, but what it had came from the old weights
             continue
         if sample.is_finished:
             scheduler.stats.requests_finished -= 1  # it ends again, under the new weights
