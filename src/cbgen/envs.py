@@ -28,6 +28,11 @@ VARIABLES: dict[str, EnvVar] = {
         EnvVar("CBGEN_KERNEL_DIR", None, "where the C kernels are built (default: ~/.cache/cbgen/kernels)"),
         EnvVar("CBGEN_AMX", "1", "0 keeps the bf16 projections off AMX even where the CPU has it"),
         EnvVar("CBGEN_SANITIZE", "", "'address' builds the C kernels with AddressSanitizer (tests only)"),
+        EnvVar(
+            "CBGEN_REQUIRE_KERNELS",
+            "0",
+            "1 makes a failed C kernel build an error instead of a fallback to torch (`make test` sets it)",
+        ),
         EnvVar("CBGEN_LOG_LEVEL", "INFO", "level of cbgen's own log handler when no handler is configured"),
         EnvVar("CBGEN_API_KEY", None, "API key of `cbgen serve` (keeps it out of the process list)"),
         EnvVar("CC", None, "C compiler for the CPU kernels (default: cc, then gcc)"),
