@@ -3,6 +3,9 @@
 Sized for one H200 in under 8 minutes.  Models are bf16 with random weights built from configs
 shaped like Qwen3-0.6B and Qwen3-4B (nothing can be downloaded on the device).
 
+0. The CUDA-marked tests of ``tests/model/test_triton_cuda.py`` (bf16/fp16 ``tl.dot`` on tensor cores,
+   the automatic split-K count of this device), compiled: each must pass (the dry run only checks
+   that they are collected and skip by name).
 1. Exactness: greedy tokens from decode CUDA graphs + Triton kernels vs eager with the torch
    backend, 64 prompts x 128 tokens.  In bf16, different kernels round differently, so a divergence
    is only accepted where the eager run's top-2 logit gap is a near-tie (< 2e-2 relative); the count
@@ -30,7 +33,9 @@ import gc
 import json
 import os
 import random
+import re
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -193,6 +198,36 @@ def kernel_check(dry: bool) -> int:
         ["--dry-run"] if dry else ["--batches", "1", "64", "256", "--lens", "512", "4096", "--repeats", "10"]
     )
     return kc.main(argv)
+
+
+CUDA_TESTS = HERE.parent / "tests" / "model" / "test_triton_cuda.py"
+
+
+def cuda_tests(dry: bool) -> dict:
+    """The CUDA-marked kernel tests (tensor-core branch, automatic split-K), in a child pytest with
+    ``CBGEN_TEST_CUDA=1`` so the Triton kernels compile instead of running in the interpreter.  On a
+    device every one of them must pass; the dry run only checks that they are collected and skip."""
+    env = {**os.environ, "CBGEN_TEST_CUDA": "1"}
+    env.pop("TRITON_INTERPRET", None)
+    cmd = [
+        sys.executable,
+        "-m",
+        "pytest",
+        "-q",
+        "-rs",
+        "-m",
+        "cuda",
+        "-p",
+        "no:cacheprovider",
+        str(CUDA_TESTS),
+    ]
+    proc = subprocess.run(cmd, env=env, cwd=HERE.parent, capture_output=True, text=True, check=False)
+    tail = proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else proc.stderr[-300:]
+    counts = {k: int(n) for n, k in re.findall(r"(\d+) (passed|failed|skipped|error)", tail)}
+    # On a device a skipped test is a branch left unchecked; in the dry run every one must skip.
+    wanted, unwanted = ("skipped", "passed") if dry else ("passed", "skipped")
+    ok = proc.returncode == 0 and counts.get(wanted, 0) > 0 and not counts.get(unwanted)
+    return {"exit": proc.returncode, "counts": counts, "summary": tail, "ok": ok}
 
 
 def step_syncs(model, device, dry: bool) -> dict:
@@ -400,6 +435,8 @@ def main(argv: list[str] | None = None) -> int:
     n_req, lo, hi = (8, 4, 24) if dry else (256, 100, 1024)
 
     results["kernels_exit"] = kernel_check(dry)
+    results["cuda_tests"] = cuda_tests(dry)
+    print(" cuda-marked tests:", results["cuda_tests"]["summary"], flush=True)
     for name, shape in shapes.items():
         print(f"== {name}", flush=True)
         model = build_model(shape, device, dtype)
@@ -463,11 +500,20 @@ def main(argv: list[str] | None = None) -> int:
             f"\nhost syncs per decode step ({name}, overlap scheduling, mixed sampled batch, "
             f"{sy['steps']} steps): max {sy['syncs_per_step_max']}, median {sy['syncs_per_step_median']}"
         )
+    ct = results["cuda_tests"]
+    print(
+        f"\nCUDA-marked tests ({CUDA_TESTS.name}: tensor-core branch, automatic split-K): {ct['summary']}"
+        f"{'' if ct['ok'] else ' -- FAILED'}"
+    )
     print(f"\nkernel check exit code {results['kernels_exit']}; total {results['seconds']:.0f} s")
-    failed = results["kernels_exit"] != 0 or any(
-        results[n]["exactness"]["real_divergences"]
-        or results[n]["exactness"]["flash_attn"].get("real_divergences")
-        for n in shapes
+    failed = (
+        results["kernels_exit"] != 0
+        or not ct["ok"]
+        or any(
+            results[n]["exactness"]["real_divergences"]
+            or results[n]["exactness"]["flash_attn"].get("real_divergences")
+            for n in shapes
+        )
     )
     return 1 if failed else 0
 
