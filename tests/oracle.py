@@ -165,17 +165,16 @@ def check_divergence(
     z = next_logits(exact, context)
     margin = rule.margin(z)
     top = z.max()
+    # Within the margin of the maximum: the top two for a plain near-tie, more for a multi-way one,
+    # so "both within it" is "the exact top two" whenever the runner-up is well defined.
     tied = (top - z <= margin).nonzero().squeeze(1).tolist()
-    first, second = z.topk(2).indices.tolist()
     gap = float((z[cbgen] - z[reference]).abs())
-    where = f"after {len(context)} tokens: cbgen {cbgen} vs generate() {reference}"
     rank = int((z > z[cbgen]).sum()) + 1
     assert {cbgen, reference} <= set(tied), (
-        f"{where}: not a near-tie under the {rule.name} rule: cbgen's token ranks {rank}, "
-        f"{float(top - z[cbgen]):.3g} below the exact maximum, generate()'s "
-        f"{float(top - z[reference]):.3g} below (margin {margin:.3g})"
+        f"after {len(context)} tokens: cbgen {cbgen} vs generate() {reference} is not a near-tie under "
+        f"the {rule.name} rule: cbgen's token ranks {rank}, {float(top - z[cbgen]):.3g} below the "
+        f"exact maximum, generate()'s {float(top - z[reference]):.3g} below (margin {margin:.3g})"
     )
-    assert len(tied) > 2 or {cbgen, reference} == {first, second}, f"{where}: not the exact top two"
     return gap, margin, len(tied)
 
 
