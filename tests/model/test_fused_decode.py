@@ -88,16 +88,25 @@ def test_packed_grouped_projections_match_module_path(monkeypatch) -> None:
         pytest.skip("this torch build has no MKL packed GEMM, so nothing is packed or grouped")
     prompts = make_prompts(64, lengths=(3, 40))
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=5)
-    groups = []
-    original = fused_decode.PackedLinears._pack
+    groups, served = [], set()
+    original_pack, original_group = fused_decode.PackedLinears._pack, fused_decode.PackedLinears.group
 
     def counting(self, modules):
         groups.append(len(modules))
-        return original(self, modules)
+        return original_pack(self, modules)
+
+    def grouped(self, x, modules, checked=True):
+        outs = original_group(self, x, modules, checked)
+        # One GEMM for the whole group: every output is a column view of the same tensor.
+        if len({o.untyped_storage().data_ptr() for o in outs}) == 1:
+            served.add((len(modules), x.shape[0]))
+        return outs
 
     monkeypatch.setattr(fused_decode.PackedLinears, "_pack", counting)
+    monkeypatch.setattr(fused_decode.PackedLinears, "group", grouped)
     fused = _run(model, prompts, params)
-    assert groups.count(3) == 2 and groups.count(2) == 2  # q/k/v and gate/up, per layer
+    assert groups.count(3) == 2 and groups.count(2) == 2  # q/k/v and gate/up packed, per layer
+    assert {(3, 64), (2, 64)} <= served  # and the 64-row decode steps ran them as one GEMM each
     compare(model, prompts, [o.token_ids for o in fused], [hf_greedy(model, p, 6) for p in prompts])
     plain = _run(model, prompts, params, fused_decode=False)
     for a, b in zip(fused, plain):
