@@ -247,7 +247,8 @@ def test_automatic_split_k_choice(monkeypatch) -> None:
 def test_engine_with_triton_backend_matches_generate(arch: str, eager: bool, monkeypatch) -> None:
     """The whole engine on ``attention_backend="triton"`` under the interpreter: greedy tokens equal
     ``generate()`` (gemma2: sliding window and soft-cap in the kernel), eager and through the
-    padded fixed-shape decode path (padding rows store nowhere and read nothing)."""
+    padded fixed-shape decode path (padding rows store nowhere and read nothing), and every step's
+    raw logprob equals a plain forward's to 1e-4 (tokens alone miss small errors in a short run)."""
     seen = _spy_launch(monkeypatch)
     model = make_model(arch)
     # Short prompts: under the interpreter the KV store costs one Python-run program per token.
@@ -255,7 +256,14 @@ def test_engine_with_triton_backend_matches_generate(arch: str, eager: bool, mon
     params = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
     llm = LLM(model, block_size=8, attention_backend="triton", enforce_eager=eager, max_num_seqs=4)
     assert llm.engine.runner.backend == "triton"
-    got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
-    compare(model, prompts, got, [hf_greedy(model, p, 5) for p in prompts])
+    outs = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
+    compare(model, prompts, [o.token_ids for o in outs], [hf_greedy(model, p, 5) for p in prompts])
+    for prompt, out in zip(prompts, outs):
+        with torch.no_grad():
+            logits = model(torch.tensor([prompt + out.token_ids])).logits[0, len(prompt) - 1 : -1]
+        want = torch.log_softmax(logits.double(), -1).gather(1, torch.tensor(out.token_ids)[:, None])[:, 0]
+        torch.testing.assert_close(
+            torch.tensor(out.raw_logprobs, dtype=torch.float64), want, rtol=0, atol=1e-4
+        )
     layers = model.config.num_hidden_layers
     assert len(seen) >= 4 * layers  # every decode step of every layer went through the kernel
