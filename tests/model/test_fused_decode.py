@@ -360,7 +360,9 @@ def test_packed_group_equals_separate_linears(dtype, rows, width) -> None:
     x = torch.randn(rows, width, generator=gen).to(dtype)
     packed = fused_decode.PackedLinears(dtype)
     if not packed.enabled:
-        pytest.skip("this torch build cannot pack weights of this dtype")
+        pytest.skip(
+            f"no packed {dtype} GEMM here (fp32: MKL; bf16: oneDNN's bf16 GEMM, which needs CPU support)"
+        )
 
     def check() -> None:
         outs = packed.group(x, layers)
@@ -382,7 +384,7 @@ def test_rows_past_the_amx_limit_run_plain_linears(monkeypatch) -> None:
     x = torch.randn(5, 256, generator=gen).to(torch.bfloat16)
     packed = fused_decode.PackedLinears(torch.bfloat16)
     if not packed.enabled:
-        pytest.skip("this torch build cannot pack bf16 weights")
+        pytest.skip("no packed bf16 GEMM here (oneDNN's bf16 GEMM needs CPU support)")
     for out, layer in zip(packed.group(x, layers), layers):
         assert torch.equal(out, nn.functional.linear(x, layer.weight, layer.bias))
 
@@ -396,7 +398,9 @@ def test_packed_linears_follow_weight_changes(dtype) -> None:
     x = torch.randn(64, 256, generator=gen).to(dtype)  # the row count MKL's packed GEMM serves
     packed = fused_decode.PackedLinears(dtype)
     if not packed.enabled:
-        pytest.skip("this torch build cannot pack weights of this dtype")
+        pytest.skip(
+            f"no packed {dtype} GEMM here (fp32: MKL; bf16: oneDNN's bf16 GEMM, which needs CPU support)"
+        )
     _assert_linear(packed(x, layer), x, layer)
     with torch.no_grad():
         layer.weight.mul_(2)
