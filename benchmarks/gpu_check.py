@@ -409,6 +409,49 @@ def decode_roofline(model, device, batch: int, ctx: int) -> dict:
 
 
 # ---------------------------------------------------------------------------- main
+def print_summary(results: dict, shapes: dict) -> None:
+    """The closing markdown: one table row per model, then flash_attn, host syncs, the CUDA-marked
+    tests and the kernel check."""
+    print(
+        "\n| model | exact / near-tie / real divergences | graphs | cbgen tok/s | generate_batch tok/s | generate tok/s "
+        "| cbgen / generate_batch | decode BW fraction |"
+    )
+    print("|---|---|---|---|---|---|---|---|")
+    for name in shapes:
+        r = results[name]
+        e = r["exactness"]
+        cb, hcb, hg = r.get("cbgen_tok_s"), r.get("hf_cb_tok_s"), r.get("hf_generate_tok_s")
+        fmt = lambda x: f"{x:.0f}" if isinstance(x, float) else "-"  # noqa: E731
+        ratio = f"{cb / hcb:.2f}x" if cb and hcb else "-"
+        frac = f"{r['roofline']['fraction']:.0%}" if "roofline" in r else "-"
+        print(
+            f"| {name} | {e['identical']}/{e['near_tie_divergences']}/{e['real_divergences']} of {e['prompts']} "
+            f"| {e['graphs']} ({e['backend']}) | {fmt(cb)} | {fmt(hcb)} | {fmt(hg)} | {ratio} | {frac} |"
+        )
+    for name in shapes:
+        f = results[name]["exactness"]["flash_attn"]
+        if "skipped" in f:
+            print(f"\nflash_attn ({name}): skipped, {f['skipped']}")
+        else:
+            print(
+                f"\nflash_attn ({name}, block {f['block_size']}): {f['identical']}/{f['near_tie_divergences']}/"
+                f"{f['real_divergences']} exact / near-tie / real divergences of "
+                f"{results[name]['exactness']['prompts']}, {f['graphs']} graphs"
+            )
+    for name in shapes:
+        sy = results[name]["syncs"]
+        print(
+            f"\nhost syncs per decode step ({name}, overlap scheduling, mixed sampled batch, "
+            f"{sy['steps']} steps): max {sy['syncs_per_step_max']}, median {sy['syncs_per_step_median']}"
+        )
+    ct = results["cuda_tests"]
+    print(
+        f"\nCUDA-marked tests ({CUDA_TESTS.name}: tensor-core branch, automatic split-K): {ct['summary']}"
+        f"{'' if ct['ok'] else ' -- FAILED'}"
+    )
+    print(f"\nkernel check exit code {results['kernels_exit']}; total {results['seconds']:.0f} s")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--dry-run", action="store_true")
@@ -468,44 +511,8 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.out:
         Path(args.out).write_text(json.dumps(results, indent=2, default=str))
-    print(
-        "\n| model | exact / near-tie / real divergences | graphs | cbgen tok/s | generate_batch tok/s | generate tok/s "
-        "| cbgen / generate_batch | decode BW fraction |"
-    )
-    print("|---|---|---|---|---|---|---|---|")
-    for name in shapes:
-        r = results[name]
-        e = r["exactness"]
-        cb, hcb, hg = r.get("cbgen_tok_s"), r.get("hf_cb_tok_s"), r.get("hf_generate_tok_s")
-        fmt = lambda x: f"{x:.0f}" if isinstance(x, float) else "-"  # noqa: E731
-        ratio = f"{cb / hcb:.2f}x" if cb and hcb else "-"
-        frac = f"{r['roofline']['fraction']:.0%}" if "roofline" in r else "-"
-        print(
-            f"| {name} | {e['identical']}/{e['near_tie_divergences']}/{e['real_divergences']} of {e['prompts']} "
-            f"| {e['graphs']} ({e['backend']}) | {fmt(cb)} | {fmt(hcb)} | {fmt(hg)} | {ratio} | {frac} |"
-        )
-    for name in shapes:
-        f = results[name]["exactness"]["flash_attn"]
-        if "skipped" in f:
-            print(f"\nflash_attn ({name}): skipped, {f['skipped']}")
-        else:
-            print(
-                f"\nflash_attn ({name}, block {f['block_size']}): {f['identical']}/{f['near_tie_divergences']}/"
-                f"{f['real_divergences']} exact / near-tie / real divergences of "
-                f"{results[name]['exactness']['prompts']}, {f['graphs']} graphs"
-            )
-    for name in shapes:
-        sy = results[name]["syncs"]
-        print(
-            f"\nhost syncs per decode step ({name}, overlap scheduling, mixed sampled batch, "
-            f"{sy['steps']} steps): max {sy['syncs_per_step_max']}, median {sy['syncs_per_step_median']}"
-        )
+    print_summary(results, shapes)
     ct = results["cuda_tests"]
-    print(
-        f"\nCUDA-marked tests ({CUDA_TESTS.name}: tensor-core branch, automatic split-K): {ct['summary']}"
-        f"{'' if ct['ok'] else ' -- FAILED'}"
-    )
-    print(f"\nkernel check exit code {results['kernels_exit']}; total {results['seconds']:.0f} s")
     failed = (
         results["kernels_exit"] != 0
         or not ct["ok"]
