@@ -3,6 +3,9 @@
 Sized for one H200 in under 8 minutes.  Models are bf16 with random weights built from configs
 shaped like Qwen3-0.6B and Qwen3-4B (nothing can be downloaded on the device).
 
+0. The CUDA-marked tests of ``tests/model/test_triton_cuda.py`` (bf16/fp16 ``tl.dot`` on tensor cores,
+   the automatic split-K count of this device), compiled: each must pass (the dry run only checks
+   that they are collected and skip by name).
 1. Exactness: greedy tokens from decode CUDA graphs + Triton kernels vs eager with the torch
    backend, 64 prompts x 128 tokens.  In bf16, different kernels round differently, so a divergence
    is only accepted where the eager run's top-2 logit gap is a near-tie (< 2e-2 relative); the count
@@ -30,7 +33,9 @@ import gc
 import json
 import os
 import random
+import re
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -193,6 +198,36 @@ def kernel_check(dry: bool) -> int:
         ["--dry-run"] if dry else ["--batches", "1", "64", "256", "--lens", "512", "4096", "--repeats", "10"]
     )
     return kc.main(argv)
+
+
+CUDA_TESTS = HERE.parent / "tests" / "model" / "test_triton_cuda.py"
+
+
+def cuda_tests(dry: bool) -> dict:
+    """The CUDA-marked kernel tests (tensor-core branch, automatic split-K), in a child pytest with
+    ``CBGEN_TEST_CUDA=1`` so the Triton kernels compile instead of running in the interpreter.  On a
+    device every one of them must pass; the dry run only checks that they are collected and skip."""
+    env = {**os.environ, "CBGEN_TEST_CUDA": "1"}
+    env.pop("TRITON_INTERPRET", None)
+    cmd = [
+        sys.executable,
+        "-m",
+        "pytest",
+        "-q",
+        "-rs",
+        "-m",
+        "cuda",
+        "-p",
+        "no:cacheprovider",
+        str(CUDA_TESTS),
+    ]
+    proc = subprocess.run(cmd, env=env, cwd=HERE.parent, capture_output=True, text=True, check=False)
+    tail = proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else proc.stderr[-300:]
+    counts = {k: int(n) for n, k in re.findall(r"(\d+) (passed|failed|skipped|error)", tail)}
+    # On a device a skipped test is a branch left unchecked; in the dry run every one must skip.
+    wanted, unwanted = ("skipped", "passed") if dry else ("passed", "skipped")
+    ok = proc.returncode == 0 and counts.get(wanted, 0) > 0 and not counts.get(unwanted)
+    return {"exit": proc.returncode, "counts": counts, "summary": tail, "ok": ok}
 
 
 def step_syncs(model, device, dry: bool) -> dict:
@@ -374,63 +409,9 @@ def decode_roofline(model, device, batch: int, ctx: int) -> dict:
 
 
 # ---------------------------------------------------------------------------- main
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--dry-run", action="store_true")
-    parser.add_argument("--skip-4b", action="store_true")
-    parser.add_argument("--out", default=None, help="write the results as JSON here")
-    args = parser.parse_args(argv)
-
-    dry = args.dry_run
-    if dry:
-        os.environ.setdefault("TRITON_INTERPRET", "1")
-    device = torch.device("cpu" if dry else "cuda")
-    if not dry and not torch.cuda.is_available():
-        print("no CUDA device; use --dry-run")
-        return 2
-    dtype = torch.float32 if dry else torch.bfloat16
-    t_start = time.perf_counter()
-    results: dict = {"device": torch.cuda.get_device_name() if not dry else "cpu (dry run)"}
-
-    shapes = (
-        {"tiny": TINY}
-        if dry
-        else {"qwen3-0.6b": QWEN3_06B, **({} if args.skip_4b else {"qwen3-4b": QWEN3_4B})}
-    )
-    n_req, lo, hi = (8, 4, 24) if dry else (256, 100, 1024)
-
-    results["kernels_exit"] = kernel_check(dry)
-    for name, shape in shapes.items():
-        print(f"== {name}", flush=True)
-        model = build_model(shape, device, dtype)
-        r: dict = {}
-        r["exactness"] = exactness(model, device, 8 if dry else 64, 8 if dry else 128, dry)
-        print(" exactness", r["exactness"], flush=True)
-        r["syncs"] = step_syncs(model, device, dry)
-        print(" syncs", r["syncs"], flush=True)
-        if name != "qwen3-4b":  # the throughput and roofline targets are for the 0.6B shape
-            prompts, outs = workload(n_req, lo, hi, shape["vocab_size"])
-            r["cbgen_tok_s"] = run_cbgen(model, prompts, outs)
-            print(f" cbgen {r['cbgen_tok_s']:.0f} tok/s", flush=True)
-            try:
-                r["hf_cb_tok_s"] = run_hf_cb(model, prompts, outs)
-            except Exception as exc:  # report, never hide the rest of the check
-                r["hf_cb_error"] = repr(exc)[:300]
-            try:
-                r["hf_generate_tok_s"] = run_hf_generate(model, prompts, outs)
-            except Exception as exc:
-                r["hf_generate_error"] = repr(exc)[:300]
-            r["roofline"] = decode_roofline(model, device, 16 if dry else 256, 32 if dry else 512)
-            print(" roofline", r["roofline"], flush=True)
-        results[name] = r
-        del model
-        gc.collect()
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
-    results["seconds"] = time.perf_counter() - t_start
-
-    if args.out:
-        Path(args.out).write_text(json.dumps(results, indent=2, default=str))
+def print_summary(results: dict, shapes: dict) -> None:
+    """The closing markdown: one table row per model, then flash_attn, host syncs, the CUDA-marked
+    tests and the kernel check."""
     print(
         "\n| model | exact / near-tie / real divergences | graphs | cbgen tok/s | generate_batch tok/s | generate tok/s "
         "| cbgen / generate_batch | decode BW fraction |"
@@ -463,11 +444,83 @@ def main(argv: list[str] | None = None) -> int:
             f"\nhost syncs per decode step ({name}, overlap scheduling, mixed sampled batch, "
             f"{sy['steps']} steps): max {sy['syncs_per_step_max']}, median {sy['syncs_per_step_median']}"
         )
+    ct = results["cuda_tests"]
+    print(
+        f"\nCUDA-marked tests ({CUDA_TESTS.name}: tensor-core branch, automatic split-K): {ct['summary']}"
+        f"{'' if ct['ok'] else ' -- FAILED'}"
+    )
     print(f"\nkernel check exit code {results['kernels_exit']}; total {results['seconds']:.0f} s")
-    failed = results["kernels_exit"] != 0 or any(
-        results[n]["exactness"]["real_divergences"]
-        or results[n]["exactness"]["flash_attn"].get("real_divergences")
-        for n in shapes
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--dry-run", action="store_true")
+    parser.add_argument("--skip-4b", action="store_true")
+    parser.add_argument("--out", default=None, help="write the results as JSON here")
+    args = parser.parse_args(argv)
+
+    dry = args.dry_run
+    if dry:
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    device = torch.device("cpu" if dry else "cuda")
+    if not dry and not torch.cuda.is_available():
+        print("no CUDA device; use --dry-run")
+        return 2
+    dtype = torch.float32 if dry else torch.bfloat16
+    t_start = time.perf_counter()
+    results: dict = {"device": torch.cuda.get_device_name() if not dry else "cpu (dry run)"}
+
+    shapes = (
+        {"tiny": TINY}
+        if dry
+        else {"qwen3-0.6b": QWEN3_06B, **({} if args.skip_4b else {"qwen3-4b": QWEN3_4B})}
+    )
+    n_req, lo, hi = (8, 4, 24) if dry else (256, 100, 1024)
+
+    results["kernels_exit"] = kernel_check(dry)
+    results["cuda_tests"] = cuda_tests(dry)
+    print(" cuda-marked tests:", results["cuda_tests"]["summary"], flush=True)
+    for name, shape in shapes.items():
+        print(f"== {name}", flush=True)
+        model = build_model(shape, device, dtype)
+        r: dict = {}
+        r["exactness"] = exactness(model, device, 8 if dry else 64, 8 if dry else 128, dry)
+        print(" exactness", r["exactness"], flush=True)
+        r["syncs"] = step_syncs(model, device, dry)
+        print(" syncs", r["syncs"], flush=True)
+        if name != "qwen3-4b":  # the throughput and roofline targets are for the 0.6B shape
+            prompts, outs = workload(n_req, lo, hi, shape["vocab_size"])
+            r["cbgen_tok_s"] = run_cbgen(model, prompts, outs)
+            print(f" cbgen {r['cbgen_tok_s']:.0f} tok/s", flush=True)
+            try:
+                r["hf_cb_tok_s"] = run_hf_cb(model, prompts, outs)
+            except Exception as exc:  # report, never hide the rest of the check
+                r["hf_cb_error"] = repr(exc)[:300]
+            try:
+                r["hf_generate_tok_s"] = run_hf_generate(model, prompts, outs)
+            except Exception as exc:
+                r["hf_generate_error"] = repr(exc)[:300]
+            r["roofline"] = decode_roofline(model, device, 16 if dry else 256, 32 if dry else 512)
+            print(" roofline", r["roofline"], flush=True)
+        results[name] = r
+        del model
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    results["seconds"] = time.perf_counter() - t_start
+
+    if args.out:
+        Path(args.out).write_text(json.dumps(results, indent=2, default=str))
+    print_summary(results, shapes)
+    ct = results["cuda_tests"]
+    failed = (
+        results["kernels_exit"] != 0
+        or not ct["ok"]
+        or any(
+            results[n]["exactness"]["real_divergences"]
+            or results[n]["exactness"]["flash_attn"].get("real_divergences")
+            for n in shapes
+        )
     )
     return 1 if failed else 0
 

@@ -1,13 +1,22 @@
-"""Shared fixtures.
+"""Shared fixtures, markers and the run's native-path report.
 
 The real SmolLM2-135M-Instruct model is converted from its bundled GGUF once, into the default
 location (``$CBGEN_MODEL_DIR`` or the user cache), so every test module and every later run
 reuses the same folder instead of paying for the conversion again.
+
+``@pytest.mark.native("avx512", ...)`` marks a test of a native code path (``tests/native_paths.py``):
+it is skipped, with the path named and the reason, where this machine lacks that path.  With
+``CBGEN_REQUIRE_KERNELS=1`` (``make test``) a failed C build ends the run at once with the build
+error instead of turning the kernel tests into skips.  The terminal summary says which paths ran.
+
+``@pytest.mark.cuda`` marks a test that needs a CUDA device with compiled (not interpreted) Triton
+kernels: ``CBGEN_TEST_CUDA=1 pytest -m cuda`` on a GPU machine (``benchmarks/gpu_check.py`` does).
 """
 
 from __future__ import annotations
 
 import os
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -17,6 +26,83 @@ import pytest
 # Triton kernel in this process must run in the interpreter: decide it before anything imports triton.
 if os.environ.get("CBGEN_TEST_CUDA") != "1":
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import native_paths
+import oracle
+
+# Per native path: outcomes of the tests marked with it, and which paths each test id covers.
+_OUTCOMES: dict[str, Counter] = {path: Counter() for path in native_paths.PATHS}
+_PATHS_OF: dict[str, tuple[str, ...]] = {}
+_SKIPPED_FOR: dict[str, tuple[str, ...]] = {}  # test id -> the missing paths it was skipped for
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "native(*paths): tests a native code path of tests/native_paths.py")
+    config.addinivalue_line("markers", "cuda: needs a CUDA device and compiled Triton (CBGEN_TEST_CUDA=1)")
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    from cbgen import envs
+    from cbgen.model import cpu_kernels
+
+    if not envs.flag("CBGEN_REQUIRE_KERNELS"):
+        return
+    try:
+        cpu_kernels.available()
+    except cpu_kernels.KernelsRequiredError as err:
+        pytest.exit(f"{err}\n(unset CBGEN_REQUIRE_KERNELS to run the torch fallback instead)", returncode=3)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        paths = tuple(p for mark in item.iter_markers("native") for p in mark.args)
+        unknown = set(paths) - set(native_paths.PATHS)
+        if unknown:
+            raise pytest.UsageError(f"{item.nodeid}: unknown native path(s) {sorted(unknown)}")
+        if not paths:
+            continue
+        _PATHS_OF[item.nodeid] = paths
+        states = native_paths.states()
+        missing = tuple(p for p in paths if not states[p].runs)
+        if missing:
+            name, why = native_paths.PATHS[missing[0]], states[missing[0]].why_not
+            item.add_marker(pytest.mark.skip(reason=f"{name} path not on this machine: {why}"))
+            _SKIPPED_FOR[item.nodeid] = missing
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    # A test counts once: by its call, or by its setup when that skipped or failed it.
+    if report.when == "call" or (report.when == "setup" and report.outcome != "passed"):
+        paths = _PATHS_OF.get(report.nodeid, ())
+        if report.skipped and report.nodeid in _SKIPPED_FOR:
+            paths = _SKIPPED_FOR[report.nodeid]  # not a skip of the paths this machine has
+        for path in paths:
+            _OUTCOMES[path][report.outcome] += 1
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:
+    """Which native paths this run exercised: the claim a green run makes about the C kernels."""
+    outcomes = _OUTCOMES
+    if not any(outcomes.values()):
+        return
+    from cbgen import envs
+
+    mode = "required" if envs.flag("CBGEN_REQUIRE_KERNELS") else "optional (CBGEN_REQUIRE_KERNELS unset)"
+    terminalreporter.section(f"native paths (C kernels {mode})")
+    states = native_paths.states()
+    for path, name in native_paths.PATHS.items():
+        counts = outcomes[path]
+        ran = "RAN" if states[path].runs and counts["passed"] + counts["failed"] else "NOT RUN"
+        tally = ", ".join(f"{n} {outcome}" for outcome, n in sorted(counts.items())) or "no tests selected"
+        why = f" ({states[path].why_not})" if states[path].why_not else ""
+        terminalreporter.write_line(f"{name:12} {ran:8} {tally}{why}")
+
+
+@pytest.fixture(autouse=True)
+def _near_tie_budget():
+    """Each test gets its own near-tie count (``tests/oracle.py``: at most one per test in fp32)."""
+    oracle.reset_near_ties()
+    yield
 
 
 @pytest.fixture(scope="session")

@@ -427,11 +427,14 @@ def test_pause_around_optimizer_step_then_requests_finish_under_new_weights():
 
 # ---------------------------------------------------------------------------- known detection gaps
 def _stale_after(update) -> tuple[LLM, list[int], torch.nn.Module]:
+    """An engine that served ``prompt`` (its KV cached), then ``update`` applied to the weights; the
+    update is asserted to change the greedy output, so a check can tell a stale answer from a fresh."""
     model = make_model("llama", seed=0)
     prompt = make_prompts(1, lengths=(40, 40), seed=11)[0]
     llm = LLM(model, block_size=8, num_blocks=64)
-    llm.generate([prompt], GREEDY, use_tqdm=False)
+    before = llm.generate([prompt], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
     update(model, prompt)
+    assert hf_greedy(model, prompt, GREEDY.max_tokens) != before, "the update must change the output"
     return llm, prompt, model
 
 
@@ -459,7 +462,9 @@ def test_fused_optimizer_step_is_detected():
 def test_writes_through_param_data_need_an_explicit_notice():
     llm, prompt, model = _stale_after(_write_through_data)
     # A ``.data`` alias has its own version counter: this write is invisible to any cheap fingerprint,
-    # which is why the API has notify_weights_updated().
+    # which is why the API has notify_weights_updated().  The gap is pinned, so that closing it
+    # fails here and docs/rl.md ("Updates that are *not* detected") gets updated with it.
+    assert llm.engine.check_weights() == [] and llm.weight_version == 0
     llm.notify_weights_updated()
     out = llm.generate([prompt], GREEDY, use_tqdm=False)[0]
     assert llm.weight_version == 1

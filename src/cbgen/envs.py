@@ -34,6 +34,11 @@ VARIABLES: dict[str, EnvVar] = {
             "projection GEMMs instead of the measured choice: decode=NAME,prefill=NAME or one NAME "
             "(plain, mkl_packed, onednn_packed, amx)",
         ),
+        EnvVar(
+            "CBGEN_REQUIRE_KERNELS",
+            "0",
+            "1 makes a failed C kernel build an error instead of a fallback to torch (`make test` sets it)",
+        ),
         EnvVar("CBGEN_LOG_LEVEL", "INFO", "level of cbgen's own log handler when no handler is configured"),
         EnvVar("CBGEN_API_KEY", None, "API key of `cbgen serve` (keeps it out of the process list)"),
         EnvVar("CC", None, "C compiler for the CPU kernels (default: cc, then gcc)"),

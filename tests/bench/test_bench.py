@@ -14,6 +14,7 @@ import pytest
 
 from cbgen.bench.cli import EXIT_CHECK_FAILED, main
 from cbgen.bench.cold_start import MARKS, VLLM_NOTE, ColdRun, ColdStartResult, run_cold_start
+from cbgen.bench.engine_result import EngineResult, RunRecord
 from cbgen.bench.engine_settings import BenchOptions
 from cbgen.bench.report import summarize
 from cbgen.bench.report_markdown import cold_start_markdown, markdown
@@ -160,6 +161,8 @@ def test_greedy_tokens_match_hf_generate(tiny_report: tuple[dict, Path]) -> None
 
 
 def test_isolated_workers_round_robin(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Also the ``--no-check`` path: without hf-generate nothing checks the tokens, and the report
+    says so in its header and in the table instead of failing."""
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     argv = [
         "--tiny",
@@ -169,14 +172,90 @@ def test_isolated_workers_round_robin(tmp_path: Path, monkeypatch: pytest.Monkey
         "overhead",
         "--engines",
         "cbgen",
+        "--no-check",
         "--out",
         str(tmp_path),
     ]
     assert main(argv) == 0
-    row = _report(tmp_path)["workloads"]["overhead"]["engines"]["cbgen"]
+    report = _report(tmp_path)
+    row = report["workloads"]["overhead"]["engines"]["cbgen"]
     # One worker process per repeat, merged into one row.
     assert row["isolated"] and row["error"] is None and row["peak_memory_bytes"] > 0
     assert row["repeats"] == 2 and len(row["runs"]) == 2
+    assert report["problems"] == [] and report["unchecked"] == [
+        "overhead: output NOT checked (hf-generate was not run)"
+    ]
+    table = next(tmp_path.glob("bench-*.md")).read_text()
+    assert "> **NOT CHECKED (--no-check)" in table
+    assert "**NOT CHECKED: overhead**" in table and table.rstrip().endswith("| NOT CHECKED | – |")
+
+
+def test_run_without_a_reference_fails(tmp_path: Path) -> None:
+    """A greedy workload without hf-generate is a failed check unless --no-check is given."""
+    argv = ["--tiny", "--repeats", "1", "--no-isolate", "--model", "tiny", "--workloads", "overhead"]
+    with pytest.raises(SystemExit) as exc:
+        main([*argv, "--engines", "cbgen", "--out", str(tmp_path)])
+    assert exc.value.code == EXIT_CHECK_FAILED
+    (problem,) = _report(tmp_path)["problems"]
+    assert problem["level"] == "FAIL" and "output NOT checked (hf-generate was not run)" in problem["message"]
+
+
+def _result(engine: str, wl: Workload, runs: list[list]) -> EngineResult:
+    records = [RunRecord(1.0, wl.output_tokens, tokens=tokens) for tokens in runs]
+    return EngineResult(engine, wl.name, runs=records, tokens=runs[-1])
+
+
+def test_every_repeat_is_compared() -> None:
+    """A wrong first repeat fails the check although the last one (the only one compared before) is
+    right; so does a reference whose own repeats disagree."""
+    wl = Workload("overhead", "tiny", [[5, 6, 7], [8, 9]], [3, 3])
+    good, bad = [[[1, 2, 3]], [[4, 5, 6]]], [[[1, 2, 3]], [[4, 5, 7]]]
+    results = {
+        "cbgen": _result("cbgen", wl, [bad, good]),
+        "hf-generate": _result("hf-generate", wl, [good, good]),
+    }
+    report = summarize({"overhead": wl}, {"overhead": results}, {}, {}, {"dtype": "float32"})
+    row = report["workloads"]["overhead"]["engines"]["cbgen"]
+    assert row["tokens_match"] == 0.5 and row["flags"] == ["FAIL"]
+    assert [p["message"] for p in report["problems"]] == [
+        "overhead/cbgen (run 1 of 2): only 50.0% of greedy sequences match hf-generate"
+    ]
+    results = {"cbgen": _result("cbgen", wl, [good]), "hf-generate": _result("hf-generate", wl, [good, bad])}
+    report = summarize({"overhead": wl}, {"overhead": results}, {}, {}, {"dtype": "float32"})
+    assert "overhead/hf-generate (run 2 of 2)" in report["problems"][0]["message"]
+
+
+def test_sampled_check_catches_wrong_sampling_and_logprobs() -> None:
+    """The plain-forward check of sampled runs (logprob_check.py): tokens drawn at the workload's
+    temperature pass, tokens drawn at another temperature fail the z-test, and raw logprobs off by
+    more than the tolerance fail the logprob check."""
+    from cbgen import LLM, SamplingParams
+    from cbgen.bench.logprob_check import MAX_Z, check_run
+    from cbgen.bench.workloads import build_workload, make_tiny_model
+
+    model = make_tiny_model()
+    wl = build_workload("grpo", tiny=True, model="tiny", vocab_size=512)
+    wl.max_tokens = [48] * wl.num_requests  # enough draws for the z-test to tell temperatures apart
+    llm = LLM(model, block_size=16)
+
+    def sample(temperature: float) -> tuple[list, list]:
+        params = [
+            SamplingParams(n=wl.n, max_tokens=m, temperature=temperature, seed=wl.seed + i, ignore_eos=True)
+            for i, m in enumerate(wl.max_tokens)
+        ]
+        outs = llm.generate(wl.prompts, params, use_tqdm=False)
+        return [[c.token_ids for c in o.outputs] for o in outs], [
+            [c.raw_logprobs for c in o.outputs] for o in outs
+        ]
+
+    tokens, raw = sample(wl.temperature)
+    good = check_run(model, wl, tokens, raw, "float32")
+    assert good["ok"] and good["max_raw_logprob_diff"] < 1e-4 and good["tokens"] == 8 * 48
+    cold, _ = sample(0.5)
+    too_cold = check_run(model, wl, cold, None, "float32")
+    assert too_cold["z"] > MAX_Z and not too_cold["ok"]
+    shifted = [[[lp + 1e-3 for lp in seq] for seq in req] for req in raw]
+    assert not check_run(model, wl, tokens, shifted, "float32")["ok"]
 
 
 FAKE_VLLM = textwrap.dedent(

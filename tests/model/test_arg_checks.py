@@ -12,7 +12,7 @@ from paged_cases import make_case
 
 from cbgen.model import cpu_amx, cpu_kernels, flash_ops, triton_ops
 
-pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason="C kernels not built")
+native_c = pytest.mark.native("c")
 
 F32 = torch.float32
 
@@ -35,6 +35,7 @@ def _case():
         (lambda a: {**a, "v_cache": a["v_cache"][:, :4].contiguous()}, "v_cache"),
     ],
 )
+@native_c
 def test_c_decode_refuses_mismatched_arguments(change, message):
     query, k_cache, v_cache, table, lens = _case()
     args = dict(query=query, k_cache=k_cache, v_cache=v_cache, block_table=table, seq_lens=lens)
@@ -43,6 +44,7 @@ def test_c_decode_refuses_mismatched_arguments(change, message):
 
 
 @pytest.mark.parametrize("portable", [False, True])
+@native_c
 def test_c_decode_refuses_block_ids_and_lengths_outside_the_cache(portable):
     query, k_cache, v_cache, table, lens = _case()
     bad = table.clone()
@@ -60,6 +62,7 @@ def test_c_decode_refuses_block_ids_and_lengths_outside_the_cache(portable):
     assert torch.isfinite(ok).all()
 
 
+@native_c
 def test_c_store_refuses_a_key_with_fewer_heads_than_the_cache():
     """A tensor-parallel rank's key has its local heads; a cache sized for all of them must not be
     filled by reading past the end of the key (issue #16)."""
@@ -73,6 +76,7 @@ def test_c_store_refuses_a_key_with_fewer_heads_than_the_cache():
         cpu_kernels.store_direct(key.view(5, 16), value.view(5, 16), k_cache, v_cache, slots)
 
 
+@native_c
 def test_c_store_refuses_slots_outside_the_cache_and_writes_nothing():
     k_cache = torch.zeros(4, 8, 2, 16)
     v_cache = torch.zeros_like(k_cache)
@@ -92,6 +96,7 @@ def test_c_store_refuses_slots_outside_the_cache_and_writes_nothing():
 
 
 # ------------------------------------------------------------------ C fused ops
+@native_c
 def test_fused_ops_refuse_mismatched_shapes():
     x = torch.randn(4, 32)
     with pytest.raises(ValueError, match="out"):
@@ -113,6 +118,7 @@ def test_fused_ops_refuse_mismatched_shapes():
         cpu_kernels.greedy_rows(torch.randn(4, 8)[:, ::2])
 
 
+@native_c
 def test_amx_entry_points_refuse_mismatched_shapes():
     weight = torch.randn(64, 64).to(torch.bfloat16)
     packed = cpu_amx.amx_pack(weight)

@@ -10,12 +10,16 @@ from cbgen import LLM, SamplingParams
 from cbgen.model import cpu_amx, cpu_kernels, paged_ops
 from cbgen.model.backends import choose_backend
 
-pytestmark = pytest.mark.skipif(
-    not cpu_kernels.available(), reason=f"C kernels unavailable: {cpu_kernels.unavailable_reason()}"
-)
+pytestmark = pytest.mark.native("c")
 
 # More than 16 rows switches the kernel from one task per (row, kv head) to one task per row.
 MANY_LENS = [(i * 37) % 150 + 1 for i in range(40)]
+# "fast" asks for the AVX-512 loops; a build without them would silently run the portable loops
+# again, so those cases skip by name where the CPU lacks AVX-512.
+IMPLS = [
+    pytest.param(False, id="fast", marks=pytest.mark.native("avx512")),
+    pytest.param(True, id="portable"),
+]
 
 
 def _check_decode(*args, window=None, **kwargs) -> None:
@@ -29,7 +33,7 @@ def _check_decode(*args, window=None, **kwargs) -> None:
     [(2, 2, 16), (9, 3, 64), (8, 2, 64), (4, 1, 128), (6, 3, 24), (2, 1, 256)],
 )
 @pytest.mark.parametrize("lens", [LENS, MANY_LENS], ids=["few-rows", "many-rows"])
-@pytest.mark.parametrize("portable", [False, True], ids=["fast", "portable"])
+@pytest.mark.parametrize("portable", IMPLS)
 def test_decode_matches_reference(
     dtype, block_size, num_heads, num_kv_heads, head_dim, lens, portable
 ) -> None:
@@ -49,17 +53,26 @@ def test_decode_matches_reference(
 
 @pytest.mark.parametrize("window", [1, 5, 16, 33, 100])
 @pytest.mark.parametrize("lens", [LENS, MANY_LENS], ids=["few-rows", "many-rows"])
-@pytest.mark.parametrize("portable", [False, True], ids=["fast", "portable"])
+@pytest.mark.parametrize("portable", IMPLS)
 def test_decode_sliding_window(window: int, lens, portable: bool) -> None:
     _check_decode(lens, 4, 2, 32, 8, torch.float32, seed=window, window=window, portable=portable)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("softcap", [0.5, 30.0])
-@pytest.mark.parametrize("portable", [False, True], ids=["fast", "portable"])
+@pytest.mark.parametrize("portable", IMPLS)
 def test_decode_softcap_and_window(dtype: torch.dtype, softcap: float, portable: bool) -> None:
     _check_decode(MANY_LENS, 4, 1, 32, 16, dtype, seed=3, softcap=softcap, portable=portable)
     _check_decode(LENS, 8, 2, 32, 16, dtype, seed=4, window=20, softcap=softcap, portable=portable)
+
+
+@pytest.mark.native("avx512", "avx512bf16")
+@pytest.mark.parametrize("head_dim", [32, 64, 128])
+def test_decode_bf16_pairs_on_avx512_bf16(head_dim: int) -> None:
+    """bf16 queries and keys go straight into ``vdpbf16ps`` (head sizes that are multiples of 32),
+    against the float32 reference."""
+    for lens in (LENS, MANY_LENS):
+        _check_decode(lens, 8, 2, head_dim, 16, torch.bfloat16, seed=head_dim, portable=False)
 
 
 def test_decode_float16_falls_back_to_reference() -> None:
@@ -99,15 +112,32 @@ def test_backend_choice() -> None:
         choose_backend("cpu", cpu, torch.float16)
 
 
-def test_failed_build_falls_back(monkeypatch, tmp_path) -> None:
-    """No compiler: ``available`` is false with a reason, and ``auto`` resolves to torch."""
+def _no_compiler(monkeypatch, tmp_path) -> None:
     monkeypatch.setattr(cpu_kernels, "_lib", None)
     monkeypatch.setattr(cpu_kernels, "_error", None)
     monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
     monkeypatch.setenv("CBGEN_KERNEL_DIR", str(tmp_path))
+
+
+def test_failed_build_falls_back(monkeypatch, tmp_path) -> None:
+    """No compiler: ``available`` is false with a reason, and ``auto`` resolves to torch."""
+    _no_compiler(monkeypatch, tmp_path)
+    monkeypatch.delenv("CBGEN_REQUIRE_KERNELS", raising=False)
     assert not cpu_kernels.available()
     assert "no-such-compiler" in cpu_kernels.unavailable_reason()
     assert choose_backend("auto", torch.device("cpu"), torch.float32) == "torch"
+
+
+def test_failed_build_is_an_error_when_kernels_are_required(monkeypatch, tmp_path) -> None:
+    """``CBGEN_REQUIRE_KERNELS=1``: the same failure raises, naming the build error, on every call and
+    from the engine's backend choice, so no path falls back to torch."""
+    _no_compiler(monkeypatch, tmp_path)
+    monkeypatch.setenv("CBGEN_REQUIRE_KERNELS", "1")
+    for _ in range(2):
+        with pytest.raises(cpu_kernels.KernelsRequiredError, match=r"did not build: .*no-such-compiler"):
+            cpu_kernels.available()
+    with pytest.raises(cpu_kernels.KernelsRequiredError):
+        choose_backend("auto", torch.device("cpu"), torch.float32)
 
 
 @pytest.mark.parametrize("arch", ["llama", "gemma2"])
@@ -126,7 +156,7 @@ def test_engine_backends_agree(arch: str) -> None:
     assert runs["cpu"] == runs["torch"]
 
 
-amx_only = pytest.mark.skipif(not cpu_amx.amx_available(), reason="no AMX-BF16 on this CPU (or not granted)")
+amx_only = pytest.mark.native("amx")
 
 
 @amx_only

@@ -1,23 +1,28 @@
-"""Triton kernels vs the torch reference, run on CPU through Triton's interpreter.
+"""Triton kernels vs the torch reference, on CPU through Triton's interpreter (the CUDA side is
+``test_triton_cuda.py``).
 
-The interpreter is chosen when a kernel is jitted, so the variable is set before anything imports
-triton.  Shapes stay small: the interpreter executes every program in Python.
+``tests/conftest.py`` sets ``TRITON_INTERPRET=1`` before anything imports triton unless
+``CBGEN_TEST_CUDA=1``; these tests then skip by name, since compiled kernels cannot take CPU
+tensors.  Shapes stay small: the interpreter executes every program in Python.
 """
 
 from __future__ import annotations
-
-import os
-
-os.environ["TRITON_INTERPRET"] = "1"
 
 import pytest
 
 pytest.importorskip("triton")
 
 import torch
-from paged_cases import LENS, NUM_BLOCKS, check_decode, make_case
+from paged_cases import LENS, NUM_BLOCKS, check_decode, make_case, rel_err
 
+from cbgen import LLM, SamplingParams
 from cbgen.model import paged_ops, triton_ops
+from oracle import compare, hf_greedy
+from tiny_models import make_model, make_prompts
+
+pytestmark = pytest.mark.skipif(
+    not triton_ops._interpreting(), reason="compiled Triton (CBGEN_TEST_CUDA=1) cannot take CPU tensors"
+)
 
 
 def _check_decode(*args, num_splits: int | None = None, **kwargs) -> None:
@@ -165,3 +170,100 @@ def test_decode_rejects_bad_gqa() -> None:
     query, k_cache, v_cache, table, _, seq_lens = make_case(0, [4], 3, 2, 16, 8, torch.float32)
     with pytest.raises(ValueError, match="multiple"):
         triton_ops.triton_paged_decode_attention(query, k_cache, v_cache, table, seq_lens, 0.25)
+
+
+# ------------------------------------------------------------------------------------------------
+# branches that depend on the device
+# ------------------------------------------------------------------------------------------------
+
+
+def _spy_launch(monkeypatch) -> list[tuple[int, bool]]:
+    """Records (num_splits, native_dot) of every decode launch."""
+    seen = []
+    original = triton_ops._launch_decode
+
+    def spy(*args):
+        seen.append((args[-2], args[-1]))
+        return original(*args)
+
+    monkeypatch.setattr(triton_ops, "_launch_decode", spy)
+    return seen
+
+
+def test_fp16_takes_the_tensor_core_branch_under_the_interpreter(monkeypatch) -> None:
+    """The 16-bit ``tl.dot`` branch (``NATIVE_DOT``) runs on CPU in float16; bfloat16 keeps the
+    float32 dots there (see the next test), float32 always."""
+    seen = _spy_launch(monkeypatch)
+    for dtype in (torch.float16, torch.bfloat16, torch.float32):
+        _check_decode(LENS, 8, 2, 32, 16, dtype, seed=21)
+    assert [native for _, native in seen] == [True, False, False]
+    _check_decode(LENS, 8, 2, 64, 16, torch.float16, seed=22, sliding_window=20, softcap=5.0, num_splits=3)
+    assert seen[-1] == (3, True)
+
+
+def test_interpreter_dot_on_bfloat16_is_still_wrong() -> None:
+    """Why bfloat16 stays off the ``tl.dot`` branch under the interpreter: Triton 3.9's interpreter
+    multiplies bfloat16 tiles wrongly.  If this starts failing, Triton fixed it and
+    ``triton_ops._native_dot`` can let bfloat16 in."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def dot(a_ptr, b_ptr, c_ptr):
+        o = tl.arange(0, 16)
+        tile = o[:, None] * 16 + o[None, :]
+        tl.store(c_ptr + tile, tl.dot(tl.load(a_ptr + tile), tl.load(b_ptr + tile)))
+
+    gen = torch.Generator().manual_seed(0)
+    results = {}
+    for dtype in (torch.float16, torch.bfloat16):
+        a, b = (torch.randn(16, 16, generator=gen).to(dtype) for _ in range(2))
+        c = torch.empty(16, 16)
+        dot[(1,)](a, b, c)
+        results[dtype] = rel_err(c, a.float() @ b.float())
+    assert results[torch.float16] < 1e-6 and results[torch.bfloat16] > 1.0
+
+
+def test_automatic_split_k_choice(monkeypatch) -> None:
+    """The split count ``_choose_splits`` gives a CUDA device (its arithmetic, with the SM count of
+    an H100-class part stubbed in), and a kernel run at that count under the interpreter."""
+    monkeypatch.setattr(triton_ops, "_interpreting", lambda: False)
+    monkeypatch.setattr(triton_ops, "_sm_count", lambda index: 132)
+    cuda = torch.device("cuda", 0)
+    # 8 programs for 264 wanted, 4096 tokens worth 16 splits of 256: 16.
+    assert triton_ops._choose_splits(1, 8, 4096, cuda) == 16
+    assert triton_ops._choose_splits(1, 8, 100_000, cuda) == 32  # capped
+    assert triton_ops._choose_splits(256, 8, 4096, cuda) == 1  # enough programs already
+    assert triton_ops._choose_splits(1, 8, 300, cuda) == 1  # too short to split
+    assert triton_ops._choose_splits(1, 8, 4096, torch.device("cpu")) == 1
+    monkeypatch.undo()
+    # Most of the 16 splits of these short rows are empty: the merge must ignore them.
+    _check_decode([70, 0, 17], 4, 2, 16, 8, torch.float32, seed=16, num_splits=16)
+
+
+@pytest.mark.parametrize(
+    ("arch", "eager"), [("llama", True), ("gemma2", False)], ids=["eager-llama", "fixed-shape-gemma2"]
+)
+def test_engine_with_triton_backend_matches_generate(arch: str, eager: bool, monkeypatch) -> None:
+    """The whole engine on ``attention_backend="triton"`` under the interpreter: greedy tokens equal
+    ``generate()`` (gemma2: sliding window and soft-cap in the kernel), eager and through the
+    padded fixed-shape decode path (padding rows store nowhere and read nothing), and every step's
+    raw logprob equals a plain forward's to 1e-4 (tokens alone miss small errors in a short run)."""
+    seen = _spy_launch(monkeypatch)
+    model = make_model(arch)
+    # Short prompts: under the interpreter the KV store costs one Python-run program per token.
+    prompts = make_prompts(3, lengths=(4, 30))
+    params = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
+    llm = LLM(model, block_size=8, attention_backend="triton", enforce_eager=eager, max_num_seqs=4)
+    assert llm.engine.runner.backend == "triton"
+    outs = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
+    compare(model, prompts, [o.token_ids for o in outs], [hf_greedy(model, p, 5) for p in prompts])
+    for prompt, out in zip(prompts, outs):
+        with torch.no_grad():
+            logits = model(torch.tensor([prompt + out.token_ids])).logits[0, len(prompt) - 1 : -1]
+        want = torch.log_softmax(logits.double(), -1).gather(1, torch.tensor(out.token_ids)[:, None])[:, 0]
+        torch.testing.assert_close(
+            torch.tensor(out.raw_logprobs, dtype=torch.float64), want, rtol=0, atol=1e-4
+        )
+    layers = model.config.num_hidden_layers
+    assert len(seen) >= 4 * layers  # every decode step of every layer went through the kernel

@@ -83,7 +83,8 @@ def _cbgen_once(llm: Any, workload: Workload, record_steps: bool) -> tuple[RunRe
         firsts = [s.first_token_time for s in group.samples if s.first_token_time is not None]
         if firsts:
             ttft.append(min(firsts) - min(s.arrival_time for s in group.samples))
-    tokens = [[list(c.token_ids) for c in sorted(finished[r].outputs, key=lambda c: c.index)] for r in rids]
+    completions = [sorted(finished[r].outputs, key=lambda c: c.index) for r in rids]
+    tokens = [[list(c.token_ids) for c in cs] for cs in completions]
     s = engine.stats
     stats = {
         "steps": s.steps,
@@ -96,8 +97,18 @@ def _cbgen_once(llm: Any, workload: Workload, record_steps: bool) -> tuple[RunRe
         "generated_tokens": s.generated_tokens,
         "requests_failed": s.requests_failed,
     }
-    record = RunRecord(wall, sum(len(t) for seqs in tokens for t in seqs), ttft, stats, dict(s.times))
+    record = RunRecord(wall, sum(len(t) for seqs in tokens for t in seqs), ttft, stats, dict(s.times), tokens)
+    if not workload.greedy:
+        record.raw_logprobs = [[list(c.raw_logprobs) for c in cs] for cs in completions]
     return record, tokens, steps
+
+
+def _regroup(rows: list | None, workload: Workload) -> list | None:
+    """Independent single-sample requests back into the workload's ``[request][sample]`` shape."""
+    if rows is None:
+        return None
+    n = workload.n
+    return [[rows[i * n + j][0] for j in range(n)] for i in range(workload.num_requests)]
 
 
 def run_cbgen(
@@ -141,22 +152,20 @@ def run_cbgen(
             use_tqdm=False,
         )
         del warm
-    tokens = None
     reset_peak(device)
     for rep in range(opts.repeats):
         # A fresh engine per run: a prefix cache left warm by the previous run would flatter cbgen.
         llm = _cbgen_llm(model, num_blocks, share, compile=compile)
-        record, tokens, steps = _cbgen_once(llm, wl, opts.profile and rep == opts.repeats - 1)
+        record, _, steps = _cbgen_once(llm, wl, opts.profile and rep == opts.repeats - 1)
         result.runs.append(record)
         if steps is not None:
             result.steps = steps
         del llm
-    if tokens is not None and not share and workload.n > 1:
-        # Regroup the independent requests into the workload's [request][sample] shape.
-        tokens = [
-            [tokens[i * workload.n + j][0] for j in range(workload.n)] for i in range(workload.num_requests)
-        ]
-    result.tokens = tokens
+    if not share and workload.n > 1:
+        for run in result.runs:
+            run.tokens = _regroup(run.tokens, workload)
+            run.raw_logprobs = _regroup(run.raw_logprobs, workload)
+    result.tokens = result.runs[-1].tokens if result.runs else None
     result.peak_memory_bytes, result.memory_kind = peak_memory(device)
     return result
 

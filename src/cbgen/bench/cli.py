@@ -8,6 +8,7 @@ Examples::
     cbgen bench --null-model                      # engine overhead only (stub model)
     cbgen bench --tiny --repeats 1 --no-isolate   # seconds-long smoke run
     cbgen bench --workloads chat --cold-start     # + process start -> all outputs, per engine
+    cbgen bench --engines cbgen --no-check        # numbers without a correctness reference (marked so)
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from typing import Any
 
 from cbgen.bench.engine_result import EngineResult
 from cbgen.bench.engine_settings import ENGINE_NAMES, MAX_NUM_BATCHED_TOKENS, MAX_NUM_SEQS, BenchOptions
+from cbgen.bench.logprob_check import check_cold, check_sampled
 from cbgen.bench.matmul_ceiling import best_ceiling, matmul_ceiling
 from cbgen.bench.report import failed, profile_breakdown, summarize, write_json
 from cbgen.bench.report_markdown import markdown
@@ -147,6 +149,12 @@ def _add_extra_args(p: argparse.ArgumentParser) -> None:
         "(default: each workload's own; chat/grpo use smollm2, overhead/mixed tiny)",
     )
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:N (default: cuda if available)")
+    p.add_argument(
+        "--no-check",
+        action="store_true",
+        help="report numbers whose output could not be checked (no hf-generate in --engines) instead of "
+        "failing; the report says NOT CHECKED in its header",
+    )
     p.add_argument(
         "--no-isolate",
         action="store_true",
@@ -304,6 +312,9 @@ def _bench_workload(
     log(f"{name}: timing the matmul ceiling")
     before = matmul_ceiling(dims, **rows, device=args.device, budget_s=budget)
     got.results[name] = run_rounds(name, wl, runnable, model, key, opts, isolate=not args.no_isolate)
+    if not wl.greedy:
+        log(f"{name}: checking every run's sampled tokens against a plain forward")
+        check_sampled(model, wl, got.results[name], args.dtype)
     log(f"{name}: timing the matmul ceiling again")
     got.ceilings[name] = best_ceiling(
         before, matmul_ceiling(dims, **rows, device=args.device, budget_s=budget)
@@ -312,6 +323,7 @@ def _bench_workload(
         # After the warm runs: every engine has then had the chance to fill its on-disk caches
         # (compiled kernels, vLLM's torch.compile cache), as on a machine that ran it before.
         got.cold[name] = cold_plan(name, wl, key, runnable, opts, args.cold_repeats)
+        check_cold(model, wl, got.cold[name].get("engines", {}), args.dtype)
     cb = got.results[name].get("cbgen")
     if args.profile and cb is not None and cb.steps:
         got.profile[name] = profile_breakdown(cb.steps)

@@ -64,6 +64,7 @@ class ColdRun:
     exited: float | None = None
     output_tokens: int = 0
     peak_rss_bytes: int | None = None
+    tokens: list[list[list[int]]] | None = None  # this run's [request][sample] ids (each run is checked)
 
     def phases(self) -> dict[str, float | None]:
         """Seconds per phase (see :func:`phases`)."""
@@ -81,6 +82,8 @@ class ColdStartResult:
     settings: dict[str, Any] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
     error: str | None = None
+    # Sampled workloads: per run, the check against a plain forward (logprob_check.py).
+    sample_checks: list[dict[str, Any]] | None = None
 
 
 def phases(
@@ -187,6 +190,7 @@ def cold_start_once(engine: str, folder: str, workload: Workload, opts: BenchOpt
         exited=exited,
         output_tokens=sum(len(t) for seqs in tokens for t in seqs),
         peak_rss_bytes=data.get("peak_rss_bytes"),
+        tokens=tokens,
     )
     if run.marks.get("outputs_done") is None:
         raise RuntimeError("cold-start child wrote no outputs_done mark (an old vllm_runner?)")

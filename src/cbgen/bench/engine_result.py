@@ -9,13 +9,17 @@ from typing import Any
 
 @dataclass
 class RunRecord:
-    """One timed run of a whole workload."""
+    """One timed run of a whole workload.  ``tokens`` (``[request][sample]`` ids) and, from engines
+    that report them, ``raw_logprobs`` (same shape) are kept per run, because every repeat is checked,
+    not only the last."""
 
     wall_s: float
     output_tokens: int
     ttft_s: list[float] | None = None
     stats: dict[str, Any] | None = None
     phase_s: dict[str, float] | None = None
+    tokens: list[list[list[int]]] | None = None
+    raw_logprobs: list[list[list[float]]] | None = None
 
 
 @dataclass
@@ -33,6 +37,8 @@ class EngineResult:
     notes: list[str] = field(default_factory=list)
     steps: list[dict[str, Any]] | None = None  # per-step records of the last run (--profile)
     error: str | None = None
+    # Sampled workloads: per run, the check of its tokens against a plain forward (logprob_check.py).
+    sample_checks: list[dict[str, Any]] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready form."""

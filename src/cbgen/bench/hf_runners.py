@@ -71,7 +71,7 @@ def _hf_generate_once(model: Any, workload: Workload, batch_size: int) -> tuple[
             tokens.append([rows[i * workload.n + j][:want] for j in range(workload.n)])
     sync(device)
     wall = time.perf_counter() - t0
-    return RunRecord(wall, sum(len(t) for seqs in tokens for t in seqs)), tokens
+    return RunRecord(wall, sum(len(t) for seqs in tokens for t in seqs), tokens=tokens), tokens
 
 
 def run_hf_generate(model: Any, workload: Workload, opts: BenchOptions) -> EngineResult:
@@ -158,7 +158,7 @@ def _hf_cb_once(model: Any, workload: Workload, num_blocks: int) -> tuple[RunRec
         stamps = [results[i].timestamps[0] for i in ids if results[i].timestamps]
         if stamps:
             ttft.append(min(stamps) - parent.created_time)
-    return RunRecord(wall, sum(len(t) for seqs in tokens for t in seqs), ttft), tokens
+    return RunRecord(wall, sum(len(t) for seqs in tokens for t in seqs), ttft, tokens=tokens), tokens
 
 
 def run_hf_cb(model: Any, workload: Workload, opts: BenchOptions) -> EngineResult:

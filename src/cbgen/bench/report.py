@@ -1,9 +1,13 @@
 """Turns raw engine results into the report: medians, ratios, correctness checks and the JSON file.
 
-Throughput numbers only mean something if the output is right, so every greedy workload is checked
-against ``hf-generate`` token for token, and every engine must produce exactly the workload's number of
-tokens.  A failed check becomes a ``problems`` entry, a loud banner and a ``FAIL`` cell in the table
-(the markdown and the chart are :mod:`cbgen.bench.report_markdown` and :mod:`cbgen.bench.report_plot`).
+Throughput numbers only mean something if the output is right, so every run of every greedy
+workload is checked against ``hf-generate`` token for token, every run of a sampled workload against
+a plain forward of the model (:mod:`cbgen.bench.logprob_check`), and every engine must produce
+exactly the workload's number of tokens.  A failed check becomes a ``problems`` entry, a loud banner
+and a ``FAIL`` cell in the table (the markdown and the chart are :mod:`cbgen.bench.report_markdown`
+and :mod:`cbgen.bench.report_plot`).  A check that could not run (no ``hf-generate`` in the run) fails
+too, unless the run was started with ``--no-check``: then it is listed under ``unchecked`` and the
+table says so in its header.
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ from typing import Any
 from cbgen.bench.cold_report import summarize_cold_start
 from cbgen.bench.engine_result import EngineResult, RunRecord
 from cbgen.bench.engine_settings import BASELINES, REFERENCE_ENGINE
-from cbgen.bench.token_check import check_tokens
+from cbgen.bench.token_check import check_runs
 from cbgen.bench.workloads import Workload
 
 
@@ -73,12 +77,39 @@ def summarize_engine(
     row["pct_of_ceiling"] = 100.0 * ceiling_s / wall if ceiling_s and wall else None
 
     row["tokens_match"] = None
-    if workload.greedy and reference is not None and reference.error is None and result is not reference:
-        row["tokens_match"], found = check_tokens(label, result.tokens, reference.tokens, dtype)
+    if workload.greedy and reference is not None and reference.error is None:
+        row["tokens_match"], found = check_runs(label, result, reference, dtype)
         row["problems"].extend(found)
-    elif result is reference and workload.greedy:
-        row["tokens_match"] = "reference"
+    elif not workload.greedy:
+        row["sample_check"] = _sample_check(label, result, row["problems"])
     return row
+
+
+def _sample_check(label: str, result: EngineResult, problems: list[tuple[str, str]]) -> dict[str, Any] | None:
+    """The sampled-workload checks of every run (logprob_check.py) folded into one summary; a failed
+    run becomes a FAIL problem naming it, a missing check an ``unchecked`` marker."""
+    checks = result.sample_checks
+    if not checks:
+        return None
+    for i, check in enumerate(checks, start=1):
+        if not check["ok"]:
+            diff = check["max_raw_logprob_diff"]
+            problems.append(
+                (
+                    "FAIL",
+                    f"{label} (run {i}): sampled tokens do not fit the model's own forward: z = {check['z']:.1f}"
+                    + (f", raw logprobs off by up to {diff:.2g}" if diff is not None else ""),
+                )
+            )
+    diffs = [c["max_raw_logprob_diff"] for c in checks if c["max_raw_logprob_diff"] is not None]
+    return {
+        "runs": len(checks),
+        "sequences": checks[0]["sequences"],
+        "tokens": sum(c["tokens"] for c in checks),
+        "max_abs_z": max(abs(c["z"]) for c in checks),
+        "max_raw_logprob_diff": max(diffs) if diffs else None,
+        "ok": all(c["ok"] for c in checks),
+    }
 
 
 def _run_entry(run: RunRecord, workload: Workload) -> dict[str, Any]:
@@ -130,7 +161,7 @@ def summarize(
     ``{"skipped": reason}``; it becomes that workload's ``cold_start`` section.
     """
     dtype = meta.get("dtype", "float32")
-    report: dict[str, Any] = {"meta": meta, "workloads": {}, "problems": []}
+    report: dict[str, Any] = {"meta": meta, "workloads": {}, "problems": [], "unchecked": []}
     for name, wl in workloads.items():
         engines = results.get(name, {})
         ceiling = ceilings.get(name)
@@ -144,25 +175,54 @@ def summarize(
             "matmul_ceiling": ceiling and {**ceiling, "ceiling_s": ceiling_s, "dtype": dtype},
             "engines": rows,
             "ratios": _ratios(rows),
-            "correctness": {
-                "reference": REFERENCE_ENGINE if wl.greedy else None,
-                "checked": bool(wl.greedy and reference is not None and reference.error is None),
-            },
+            "correctness": _correctness(name, wl, rows, reference, meta, report),
         }
-        if wl.greedy and "cbgen" in rows and reference is None:
-            entry["correctness"]["note"] = f"not checked: {REFERENCE_ENGINE} was not run"
         for row in rows.values():
             for level, text in row.pop("problems"):
                 report["problems"].append({"level": level, "message": text})
                 row.setdefault("flags", []).append(level)
         if cold_start is not None and name in cold_start:
-            entry["cold_start"] = _cold_section(wl, cold_start[name], dtype, reference, report["problems"])
+            entry["cold_start"] = _cold_section(name, wl, cold_start[name], dtype, reference, meta, report)
         report["workloads"][name] = entry
     if null_model is not None:
         report["null_model"] = null_model
     if profile is not None:
         report["profile"] = profile
     return report
+
+
+def _correctness(
+    name: str,
+    wl: Workload,
+    rows: dict[str, dict[str, Any]],
+    reference: EngineResult | None,
+    meta: dict[str, Any],
+    report: dict[str, Any],
+) -> dict[str, Any]:
+    """What the workload was checked against, and whether it was; a check that could not run is a
+    FAIL problem, or with ``--no-check`` (``meta["no_check"]``) an ``unchecked`` entry."""
+    ran = [e for e, row in rows.items() if not row.get("error")]
+    if wl.greedy:
+        checked = reference is not None and reference.error is None
+        why = f"{REFERENCE_ENGINE} was not run" if reference is None else f"{REFERENCE_ENGINE} failed"
+    else:
+        missing = [e for e in ran if rows[e].get("sample_check") is None]
+        checked = not missing
+        why = f"no plain-forward check of {', '.join(missing)}"
+    correctness = {
+        "reference": REFERENCE_ENGINE if wl.greedy else "plain forward (sample of sequences)",
+        "checked": bool(checked and ran),
+    }
+    if ran and not checked:
+        message = f"{name}: output NOT checked ({why})"
+        correctness["note"] = f"not checked: {why}"
+        if meta.get("no_check"):
+            report["unchecked"].append(message)
+        else:
+            report["problems"].append(
+                {"level": "FAIL", "message": message + "; --no-check reports it anyway"}
+            )
+    return correctness
 
 
 def _ceiling_seconds(ceiling: dict[str, Any], flops: dict[str, float], dtype: str) -> float:
@@ -186,17 +246,31 @@ def _ratios(rows: dict[str, dict[str, Any]]) -> dict[str, float]:
 
 
 def _cold_section(
+    name: str,
     wl: Workload,
     plan: dict[str, Any],
     dtype: str,
     reference: EngineResult | None,
-    problems: list[dict[str, str]],
+    meta: dict[str, Any],
+    report: dict[str, Any],
 ) -> dict[str, Any]:
-    """The workload's ``cold_start`` section; its problems go to ``problems``."""
+    """The workload's ``cold_start`` section; its problems go to the report's.  Greedy cold starts
+    whose tokens no reference checked, and sampled ones without a plain-forward check, fail like the
+    warm runs (``--no-check``: listed as unchecked)."""
     if plan.get("skipped"):
         return {"skipped": plan["skipped"], "engines": {}}
     section = summarize_cold_start(wl, plan["engines"], dtype, reference, plan.get("folder"))
-    problems.extend(section.pop("problems"))
+    report["problems"].extend(section.pop("problems"))
+    ran = any(r.get("total_s") is not None for r in section["engines"].values())
+    if ran and not section["correctness"]["checked"]:
+        why = f"no {REFERENCE_ENGINE} output" if wl.greedy else "no plain-forward check"
+        message = f"{name} cold start: output NOT checked ({why})"
+        if meta.get("no_check"):
+            report["unchecked"].append(message)
+        else:
+            report["problems"].append(
+                {"level": "FAIL", "message": message + "; --no-check reports it anyway"}
+            )
     return section
 
 

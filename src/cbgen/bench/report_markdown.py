@@ -28,6 +28,13 @@ def _mem(row: dict[str, Any]) -> str:
 
 def _match(row: dict[str, Any]) -> str:
     m = row.get("tokens_match")
+    sampled = row.get("sample_check")
+    if sampled is not None:
+        return (
+            f"ok (z {sampled['max_abs_z']:.1f})"
+            if sampled["ok"]
+            else f"**FAIL** (z {sampled['max_abs_z']:.1f})"
+        )
     if m == "reference":
         return "ref"
     if m is None:
@@ -104,6 +111,7 @@ def _cold_row(name: str, engine: str, row: dict[str, Any]) -> tuple[str, bool]:
 def markdown(report: dict[str, Any]) -> str:
     """The human-readable report; the results table comes last, the cold-start table before it."""
     lines = _header(report["meta"])
+    lines += _unchecked(report.get("unchecked"))
     lines += _problems(report["problems"])
     lines += _null_model_table(report.get("null_model"))
     lines += _profile_table(report.get("profile"))
@@ -141,6 +149,14 @@ def _header(meta: dict[str, Any]) -> list[str]:
                 "",
             ]
     return lines
+
+
+def _unchecked(unchecked: list[str] | None) -> list[str]:
+    """The ``--no-check`` banner: which outputs no check covered."""
+    if not unchecked:
+        return []
+    lines = ["> **NOT CHECKED (--no-check): the numbers below include output that nothing verified**", ">"]
+    return lines + [f"> {message}" for message in unchecked] + [""]
 
 
 def _problems(problems: list[dict[str, str]]) -> list[str]:
@@ -216,8 +232,8 @@ def _workload_notes(report: dict[str, Any]) -> list[str]:
                 f"{rates['decode_gflops']:.0f} GFLOP/s decode @{ceiling['decode_rows']} rows, "
                 f"{rates['prefill_gflops']:.0f} prefill @{ceiling['prefill_rows']})"
             )
-        if not wl["correctness"]["checked"] and wl["greedy"]:
-            desc += f"; tokens NOT checked ({REFERENCE_ENGINE} not run)"
+        if "note" in wl["correctness"]:
+            desc += f"; output {wl['correctness']['note']}"
         notes.append(desc)
     notes += [f"- skipped {s['workload']}/{s['engine']}: {s['reason']}" for s in report.get("skipped", [])]
     lines = [*notes, ""] if notes else []
@@ -230,9 +246,12 @@ def _workload_notes(report: dict[str, Any]) -> list[str]:
 
 
 def _results_table(report: dict[str, Any]) -> list[str]:
+    # Workloads that ran but whose output nothing checked (only possible with --no-check).
+    unchecked = [n for n, wl in report["workloads"].items() if "note" in wl.get("correctness", {})]
+    check = "output checked" if not unchecked else f"output checked (**NOT CHECKED: {', '.join(unchecked)}**)"
     lines = [
         "| workload | engine | wall s | output tok/s (min–max) | total tok/s | peak mem | steps | mean batch | "
-        "prefix hit | preempt | TTFT p50 / p99 ms | % matmul ceiling | tokens match | cbgen × |",
+        f"prefix hit | preempt | TTFT p50 / p99 ms | % matmul ceiling | {check} | cbgen × |",
         "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for name, wl in report["workloads"].items():
@@ -241,11 +260,13 @@ def _results_table(report: dict[str, Any]) -> list[str]:
             if row.get("error"):
                 lines.append(f"| {name} | {engine} | **ERROR** {row['error']} |" + " |" * 11)
             else:
-                lines.append(_results_row(name, engine, row, cb))
+                lines.append(_results_row(name, engine, row, cb, name in unchecked))
     return lines
 
 
-def _results_row(name: str, engine: str, row: dict[str, Any], cb: dict[str, Any] | None) -> str:
+def _results_row(
+    name: str, engine: str, row: dict[str, Any], cb: dict[str, Any] | None, unchecked: bool = False
+) -> str:
     ots = row["output_tok_s"]
     ttft = (
         f"{1e3 * row['ttft_p50_s']:,.0f} / {1e3 * row['ttft_p99_s']:,.0f}"
@@ -263,7 +284,7 @@ def _results_row(name: str, engine: str, row: dict[str, Any], cb: dict[str, Any]
         f"{_fmt(row.get('mean_batch_size'), '.1f')} | {_fmt(None if hit is None else 100 * hit, '.0f')}"
         f"{'%' if hit is not None else ''} | {_fmt(row.get('preemptions'), 'd')} | {ttft} | "
         f"{_fmt(row.get('pct_of_ceiling'), '.0f')}{'%' if row.get('pct_of_ceiling') is not None else ''} | "
-        f"{_match(row)} | {speedup} |"
+        f"{'NOT CHECKED' if unchecked else _match(row)} | {speedup} |"
     )
 
 

@@ -49,6 +49,7 @@ def run_meta(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
         "isolated": not args.no_isolate,
         "cold_start": args.cold_start,
         "cold_repeats": args.cold_repeats if args.cold_start else None,
+        "no_check": bool(getattr(args, "no_check", False)),
         "python": platform.python_version(),
         "torch": torch.__version__,
         "transformers": transformers.__version__,

@@ -1,7 +1,8 @@
-"""The greedy token check: an engine's tokens against the reference engine's, sequence by sequence."""
+"""The greedy token check: every run's tokens against the reference engine's, sequence by sequence."""
 
 from __future__ import annotations
 
+from cbgen.bench.engine_result import EngineResult
 from cbgen.bench.engine_settings import REFERENCE_ENGINE
 
 
@@ -29,4 +30,30 @@ def check_tokens(
     return match, [(level, f"{label}: only {match:.1%} of greedy sequences match {REFERENCE_ENGINE}{why}")]
 
 
-__all__ = ["check_tokens", "tokens_match"]
+def run_tokens(result: EngineResult) -> list[list | None]:
+    """Each run's tokens (a result without per-run tokens counts as one run with its last tokens)."""
+    per_run = [run.tokens for run in result.runs]
+    return per_run if per_run and all(t is not None for t in per_run) else [result.tokens]
+
+
+def check_runs(
+    label: str, result: EngineResult, reference: EngineResult, dtype: str
+) -> tuple[float | str | None, list[tuple[str, str]]]:
+    """Every run of ``result`` against the reference's first run (the reference's own runs against
+    each other): the smallest match fraction (``"reference"`` for the reference itself) and the
+    problems, each naming its run."""
+    expected = run_tokens(reference)[0]
+    runs = run_tokens(result)
+    is_reference = result is reference
+    problems: list[tuple[str, str]] = []
+    worst: float | None = None
+    for i, tokens in enumerate(runs[1:] if is_reference else runs, start=2 if is_reference else 1):
+        where = f"{label} (run {i} of {len(runs)})" if len(runs) > 1 else label
+        match, found = check_tokens(where, tokens, expected, dtype)
+        problems += found
+        if match is not None:
+            worst = match if worst is None else min(worst, match)
+    return ("reference" if is_reference else worst), problems
+
+
+__all__ = ["check_runs", "check_tokens", "run_tokens", "tokens_match"]

@@ -73,7 +73,10 @@ def run_vllm(folder: str, workload: Workload, opts: BenchOptions) -> EngineResul
             raise RuntimeError(f"vllm_runner exited with status {proc.returncode}")
         data = json.loads(out_path.read_text())
     result = EngineResult("vllm", workload.name, isolated=True, settings=data.get("settings", {}))
-    result.runs = [RunRecord(r["wall_s"], r["output_tokens"], r.get("ttft_s")) for r in data["runs"]]
+    result.runs = [
+        RunRecord(r["wall_s"], r["output_tokens"], r.get("ttft_s"), tokens=r.get("tokens"))
+        for r in data["runs"]
+    ]
     result.tokens = data["tokens"]
     result.peak_memory_bytes = data.get("peak_rss_bytes")
     result.notes.extend(data.get("notes", []))

@@ -160,7 +160,7 @@ def _params(params_class: Any, spec: dict[str, Any], max_tokens: int, n: int) ->
 def _timed_runs(
     llm: Any, params_class: Any, spec: dict[str, Any], cold: bool, marks: dict[str, float | None]
 ) -> tuple[list[dict[str, Any]], list[list[list[int]]]]:
-    """The timed ``generate`` calls (one if cold) and the last call's token ids."""
+    """The timed ``generate`` calls (one if cold), each with its token ids, and the last call's ids."""
     runs, tokens = [], []
     for _ in range(1 if cold else int(spec.get("repeats", 3))):
         # A warm prefix cache from the previous repeat would flatter the later ones (a cold run has none).
@@ -179,6 +179,7 @@ def _timed_runs(
                 "wall_s": wall,
                 "output_tokens": sum(len(t) for seqs in tokens for t in seqs),
                 "ttft_s": ttft or None,
+                "tokens": tokens,
             }
         )
     return runs, tokens

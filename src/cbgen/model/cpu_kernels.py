@@ -6,7 +6,9 @@ RMSNorm, rotary embedding, SiLU-and-multiply for :mod:`cbgen.model.fused_decode`
 whole bf16 decode step built from those) are compiled with the system C compiler (``$CC``, else ``cc``) into
 ``~/.cache/cbgen/kernels`` (``$CBGEN_KERNEL_DIR`` overrides), keyed by a hash of the source, the
 flags and this CPU's feature flags, because ``-march=native`` code must not run on another CPU.
-No compiler, or a failed build, leaves :func:`available` false and the torch reference in use.
+No compiler, or a failed build, leaves :func:`available` false and the torch reference in use,
+unless ``CBGEN_REQUIRE_KERNELS=1`` (``make test``): then :func:`available` raises with the build
+error, so a run that claims to test the kernels cannot quietly test the fallback instead.
 
 The two paged kernels are also registered as torch custom ops, so ``torch.compile`` treats them as
 opaque calls; the fused path is eager only and calls every kernel directly (a custom op costs tens of
@@ -138,16 +140,24 @@ def _build() -> ctypes.CDLL:
 
 
 def available() -> bool:
-    """True when the kernels are built (building them on the first call) and loadable here."""
+    """True when the kernels are built (building them on the first call) and loadable here.
+
+    Raises :class:`KernelsRequiredError` instead of returning False when ``CBGEN_REQUIRE_KERNELS=1``."""
     global _lib, _error
     with _lock:
         if _lib is None and _error is None:
             try:
                 _lib = _build()
             except Exception as exc:  # any failure means "use the torch path", reported once
-                _error = str(exc)
+                _error = f"{type(exc).__name__}: {exc}"
                 log.warning("cbgen: CPU paged-attention kernels unavailable (%s); using the torch path", exc)
+        if _lib is None and envs.flag("CBGEN_REQUIRE_KERNELS"):
+            raise KernelsRequiredError(f"CBGEN_REQUIRE_KERNELS=1, but the C kernels did not build: {_error}")
         return _lib is not None
+
+
+class KernelsRequiredError(RuntimeError):
+    """The C kernels did not build although ``CBGEN_REQUIRE_KERNELS=1`` requires them."""
 
 
 def library() -> ctypes.CDLL:

@@ -432,6 +432,15 @@ def _choose_splits(batch: int, num_kv_heads: int, max_tokens: int, device: torch
     return max(1, min(wanted, worthwhile, _MAX_SPLITS))
 
 
+def _native_dot(query_dtype: torch.dtype, cache_dtype: torch.dtype) -> bool:
+    """Whether ``tl.dot`` gets the 16-bit operands as they are (tensor cores on CUDA): for a query in
+    the cache's 16-bit dtype.  The interpreter's ``tl.dot`` is exact on float16 but returns garbage on
+    bfloat16 (Triton 3.9; pinned by a test), so CPU tests reach this branch in float16 only."""
+    if query_dtype != cache_dtype or query_dtype == torch.float32:
+        return False
+    return not _interpreting() or query_dtype == torch.float16
+
+
 def triton_paged_decode_attention(
     query: torch.Tensor,
     k_cache: torch.Tensor,
@@ -471,8 +480,7 @@ def triton_paged_decode_attention(
     if num_splits is None:
         num_splits = _choose_splits(batch, num_kv_heads, max_tokens, query.device)
     num_splits = max(1, int(num_splits))
-    # Tensor-core dots only for a query already in the cache's 16-bit dtype.
-    native_dot = query.dtype == k_cache.dtype and query.dtype != torch.float32 and not _interpreting()
+    native_dot = _native_dot(query.dtype, k_cache.dtype)
     if query.dtype != k_cache.dtype:
         # Mixed precision would need per-operand casts in the kernel; it is not a real deployment.
         query = query.to(k_cache.dtype)

@@ -1,0 +1,82 @@
+"""Which native code paths this machine can run, for the ``native`` marker and the run's report.
+
+The C kernels pick their loops at compile time (``-march=native``: ``#if defined(__AVX512F__)`` and
+so on), so whether a path exists is a property of the build, asked of the same compiler with the
+same flags; AMX also needs the kernel to grant the tile state, which only a call can tell.
+
+* ``c``: the kernels built and loaded at all;
+* ``avx512``: the AVX-512 loops of the paged decode and fused kernels (``__AVX512F__``);
+* ``avx512bf16``: bf16 query x key products on ``vdpbf16ps`` in the decode kernel (``__AVX512BF16__``);
+* ``amx``: the bf16 AMX projections and the one-call C decode step.
+"""
+
+from __future__ import annotations
+
+import functools
+import shutil
+import subprocess
+from dataclasses import dataclass
+
+PATHS: dict[str, str] = {
+    "c": "C kernels",
+    "avx512": "AVX-512",
+    "avx512bf16": "AVX512-BF16",
+    "amx": "AMX",
+}
+_MACROS = {"avx512": "__AVX512F__", "avx512bf16": "__AVX512BF16__"}
+
+
+@dataclass(frozen=True)
+class PathState:
+    """Whether a path runs here, and why not when it does not."""
+
+    runs: bool
+    why_not: str | None = None
+
+
+def _build_macros() -> set[str]:
+    """The macros the kernels' compiler predefines with the kernels' flags (``-march=native``)."""
+    from cbgen import envs
+    from cbgen.model import cpu_kernels
+
+    compiler = envs.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    flags = [f for f in cpu_kernels._FLAGS if f not in ("-shared", "-fPIC")]
+    out = subprocess.run(
+        [compiler, *flags, "-dM", "-E", "-x", "c", "/dev/null"], capture_output=True, text=True, check=True
+    )
+    return {line.split()[1] for line in out.stdout.splitlines() if line.startswith("#define ")}
+
+
+@functools.cache
+def states() -> dict[str, PathState]:
+    """Each path of :data:`PATHS` and whether it runs on this machine (asks the compiler once)."""
+    from cbgen.model import cpu_amx, cpu_kernels
+
+    try:
+        built = cpu_kernels.available()
+    except cpu_kernels.KernelsRequiredError as err:
+        built, reason = False, str(err)
+    else:
+        reason = cpu_kernels.unavailable_reason()
+    if not built:
+        off = PathState(False, f"the C kernels did not build: {reason}")
+        return {path: off for path in PATHS}
+    macros = _build_macros()
+    result = {"c": PathState(True)}
+    for path, macro in _MACROS.items():
+        result[path] = (
+            PathState(True)
+            if macro in macros
+            else PathState(False, f"{macro} is not defined for this CPU (-march=native)")
+        )
+    from cbgen import envs
+
+    if cpu_amx.amx_available():
+        result["amx"] = PathState(True)
+    elif not {"__AMX_TILE__", "__AMX_BF16__"} <= macros:
+        result["amx"] = PathState(False, "__AMX_BF16__ is not defined for this CPU (-march=native)")
+    elif envs.get("CBGEN_AMX") == "0":
+        result["amx"] = PathState(False, "CBGEN_AMX=0")
+    else:
+        result["amx"] = PathState(False, "the OS did not grant this process the AMX tile state")
+    return result
