@@ -101,6 +101,37 @@ class Engine:
         )
         self.eos_token_ids = frozenset(self._eos_ids(model, tokenizer))
 
+        self._build_device_side(model, config)
+        user_names = {p.name for p in logits_processors}
+        builtins = [p for p in (AllowedTokensProcessor(), BadWordsProcessor()) if p.name not in user_names]
+        # Tensor parallelism (transformers' own): the group's root decides each step (see lockstep).
+        self.topology = topology_of(model)
+        lockstep = Lockstep(self.topology, config.distributed_timeout) if self.topology.tp_size > 1 else None
+        self.sync = GroupSync(lockstep) if lockstep is not None else None
+        # Unseeded sampling differs between data-parallel replicas by default, never inside a group.
+        seed = config.seed if config.seed is not None else self.topology.replica
+        self.sampler = Sampler(self.vocab_size, [*builtins, *logits_processors], seed=seed)
+        self.output_processor = OutputProcessor(tokenizer)
+        self.weights = WeightWatcher(model)
+        self.groups: dict[str, RequestGroup] = {}
+        self.stats: EngineStats = self.block_manager.stats
+        self.last_step: StepStats | None = None
+        self._pending_copies: list[tuple[int, int]] = []  # copy-on-fork blocks for the next forward
+        self._counter = 0
+        self.async_scheduling = (
+            config.async_scheduling if config.async_scheduling is not None else self.device.type == "cuda"
+        )
+        if self.sync is not None and self.async_scheduling:
+            if config.async_scheduling:
+                raise ValueError(
+                    "async_scheduling is not used with tensor parallelism (ranks exchange each step's tokens)"
+                )
+            self.async_scheduling = False
+        self.in_flight: InFlight | None = None
+
+    def _build_device_side(self, model: torch.nn.Module, config: EngineConfig) -> None:
+        """The KV cache sized for this model and budget, the block manager and scheduler over it,
+        the runner with its attention backend, and the input builder."""
         geometry = KVGeometry.from_model(model, self.dtype)
         num_blocks = choose_num_blocks(
             geometry,
@@ -139,32 +170,6 @@ class Engine:
         self.input_builder = InputBuilder(
             config.block_size, self.device, row_prefill_max=row_prefill, num_blocks=num_blocks
         )
-        user_names = {p.name for p in logits_processors}
-        builtins = [p for p in (AllowedTokensProcessor(), BadWordsProcessor()) if p.name not in user_names]
-        # Tensor parallelism (transformers' own): the group's root decides each step (see lockstep).
-        self.topology = topology_of(model)
-        lockstep = Lockstep(self.topology, config.distributed_timeout) if self.topology.tp_size > 1 else None
-        self.sync = GroupSync(lockstep) if lockstep is not None else None
-        # Unseeded sampling differs between data-parallel replicas by default, never inside a group.
-        seed = config.seed if config.seed is not None else self.topology.replica
-        self.sampler = Sampler(self.vocab_size, [*builtins, *logits_processors], seed=seed)
-        self.output_processor = OutputProcessor(tokenizer)
-        self.weights = WeightWatcher(model)
-        self.groups: dict[str, RequestGroup] = {}
-        self.stats: EngineStats = self.block_manager.stats
-        self.last_step: StepStats | None = None
-        self._pending_copies: list[tuple[int, int]] = []  # copy-on-fork blocks for the next forward
-        self._counter = 0
-        self.async_scheduling = (
-            config.async_scheduling if config.async_scheduling is not None else self.device.type == "cuda"
-        )
-        if self.sync is not None and self.async_scheduling:
-            if config.async_scheduling:
-                raise ValueError(
-                    "async_scheduling is not used with tensor parallelism (ranks exchange each step's tokens)"
-                )
-            self.async_scheduling = False
-        self.in_flight: InFlight | None = None
 
     @staticmethod
     def _eos_ids(model, tokenizer) -> set[int]:
@@ -462,7 +467,7 @@ class Engine:
             if self.sync is not None:
                 # Every rank applies the root's tokens: one draw, whatever the ranks' logits' last bits.
                 launched.host = self.sync.share_sample(
-                    _host_tokens(launched.sampled) if self.sync.is_root else None
+                    launched.sampled.to_host() if self.sync.is_root else None
                 )
         finally:
             times["sample"] = time.perf_counter() - t
@@ -504,7 +509,7 @@ class Engine:
         update = step_update.apply_sampled(
             self.scheduler,
             launched.batch.sample_requests,
-            launched.host if launched.host is not None else _host_tokens(launched.sampled),
+            launched.host if launched.host is not None else launched.sampled.to_host(),
             launched.crossed,
             max_model_len=self.max_model_len,
             stop_string=self.output_processor.check_stop_strings,
@@ -578,19 +583,6 @@ class Engine:
         self.kv_cache.allocate()
         self.runner.resume()
         self.runner.warmup()
-
-
-def _host_tokens(sampled: SamplerOutput) -> SampledTokens:
-    """One device-to-host read of a step's sampling results, as plain lists."""
-    return SampledTokens(
-        token_ids=sampled.token_ids.tolist(),
-        logprobs=sampled.logprobs.tolist(),
-        raw_logprobs=sampled.raw_logprobs.tolist(),
-        log_kept_mass=sampled.log_kept_mass.tolist(),
-        top_ids=sampled.topk_ids.tolist() if sampled.topk_ids is not None else None,
-        top_logprobs=sampled.topk_logprobs.tolist() if sampled.topk_logprobs is not None else None,
-        failed=sampled.failed,
-    )
 
 
 def _with_max_tokens(params: SamplingParams, limit: int) -> SamplingParams:

@@ -6,6 +6,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from cbgen.core.update import SampledTokens
+
 FLAG_OK, FLAG_NOTHING_CHOOSABLE, FLAG_BAD_LOGITS = 0, 1, 2
 _FLAG_MESSAGES = {
     FLAG_NOTHING_CHOOSABLE: "no token can be chosen: every logit is -inf or the logits hold NaN/inf",
@@ -85,6 +87,18 @@ class SamplerOutput:
             host_failed=host_failed,
             row_flags=host[:, 4].to(torch.int8),
             device_token_ids=token,
+        )
+
+    def to_host(self) -> SampledTokens:
+        """The results as the plain lists the step's update rules take (one device-to-host read)."""
+        return SampledTokens(
+            token_ids=self.token_ids.tolist(),
+            logprobs=self.logprobs.tolist(),
+            raw_logprobs=self.raw_logprobs.tolist(),
+            log_kept_mass=self.log_kept_mass.tolist(),
+            top_ids=self.topk_ids.tolist() if self.topk_ids is not None else None,
+            top_logprobs=self.topk_logprobs.tolist() if self.topk_logprobs is not None else None,
+            failed=self.failed,
         )
 
 
