@@ -128,6 +128,9 @@ def _header(meta: dict[str, Any]) -> list[str]:
     lines = [
         f"## cbgen bench ({meta.get('started')})",
         "",
+        f"CPU {meta.get('cpu')} ({', '.join(meta.get('cpu_features') or ['no AVX2/AVX-512/AMX'])}) · "
+        f"{meta.get('cpu_count')} cores",
+        "",
         f"device {meta.get('device')} · dtype {meta.get('dtype')} · {meta.get('threads')} torch threads · "
         f"{meta.get('repeats')} repeats (medians) · torch {meta.get('torch')} · transformers "
         f"{meta.get('transformers')}{' · TINY workloads' if meta.get('tiny') else ''}",
@@ -229,12 +232,23 @@ def _workload_notes(report: dict[str, Any]) -> list[str]:
             rates = ceiling[ceiling["dtype"]]
             desc += (
                 f"; matmul ceiling {ceiling['ceiling_s']:.2f} s ({ceiling['dtype']}: "
-                f"{rates['decode_gflops']:.0f} GFLOP/s decode @{ceiling['decode_rows']} rows, "
-                f"{rates['prefill_gflops']:.0f} prefill @{ceiling['prefill_rows']})"
+                f"{rates['decode_gflops']:.0f} GFLOP/s decode @{ceiling['decode_rows']} rows "
+                f"({rates.get('decode_gemm', 'F.linear')}), {rates['prefill_gflops']:.0f} prefill "
+                f"@{ceiling['prefill_rows']} ({rates.get('prefill_gemm', 'F.linear')}); cold weights, "
+                "best of every GEMM the engine can choose)"
             )
         if "note" in wl["correctness"]:
             desc += f"; output {wl['correctness']['note']}"
         notes.append(desc)
+        above = {
+            e: r["pct_of_ceiling"] for e, r in wl["engines"].items() if (r.get("pct_of_ceiling") or 0) > 100
+        }
+        if above:
+            reads = ", ".join(f"{e} {v:.0f}%" for e, v in above.items())
+            notes.append(
+                f"- **{name}: the matmul ceiling is wrong**: {reads} of it; a GEMM faster than every one "
+                "timed exists here (or the machine sped up between the ceiling's timings and the runs)"
+            )
     notes += [f"- skipped {s['workload']}/{s['engine']}: {s['reason']}" for s in report.get("skipped", [])]
     lines = [*notes, ""] if notes else []
     if any(not r.get("isolated") for wl in report["workloads"].values() for r in wl["engines"].values()):

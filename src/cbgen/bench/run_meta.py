@@ -31,12 +31,18 @@ def run_meta(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
 
     device = resolve_device(args.device)
     cpu = platform.processor() or platform.machine()
+    flags: set[str] = set()
     try:
         with open("/proc/cpuinfo") as f:
-            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
+            lines = f.read().splitlines()
+        cpu = next((ln.split(":", 1)[1].strip() for ln in lines if ln.startswith("model name")), cpu)
+        flags = set(next((ln.split(":", 1)[1].split() for ln in lines if ln.startswith("flags")), []))
     except OSError:
         pass
+    # The flags that decide which kernels exist here: numbers from one CPU do not carry to another.
+    cpu_features = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile") if f in flags]
     return {
+        "cpu_features": cpu_features,
         "started": time.strftime("%Y-%m-%d %H:%M:%S"),
         "argv": argv,
         "device": str(device) if device.type == "cpu" else torch.cuda.get_device_name(device),
