@@ -42,6 +42,7 @@ from cbgen.request import Request, RequestGroup, RequestStatus
 from cbgen.sample.logits_processors import AllowedTokensProcessor, BadWordsProcessor
 from cbgen.sample.prompt_logprobs import record_prompt_logprobs
 from cbgen.sample.sampler import Sampler, SamplerOutput
+from cbgen.sample.structured import StructuredOutputs
 from cbgen.sampling_params import SamplingParams
 
 logger = logging.getLogger("cbgen")
@@ -138,7 +139,10 @@ class Engine:
         )
         user_names = {p.name for p in logits_processors}
         builtins = [p for p in (AllowedTokensProcessor(), BadWordsProcessor()) if p.name not in user_names]
-        self.sampler = Sampler(self.vocab_size, [*builtins, *logits_processors], seed=config.seed)
+        self.structured = StructuredOutputs(tokenizer, self.vocab_size, self.eos_token_ids)
+        self.sampler = Sampler(
+            self.vocab_size, [*builtins, *logits_processors], seed=config.seed, structured=self.structured
+        )
         self.output_processor = OutputProcessor(tokenizer)
         self.weights = WeightWatcher(model)
         self.groups: dict[str, RequestGroup] = {}
@@ -205,6 +209,7 @@ class Engine:
                 f"SamplingParams.logits_processor_args: unknown processor(s) {sorted(unknown)}; "
                 f"this engine has {self.sampler.logits_processor_names}"
             )
+        self.structured.validate(params)  # compiles the constraint (cached), if there is one
 
     def add_request(
         self,
