@@ -62,7 +62,7 @@ $(VENV)/.installed: pyproject.toml | $(PY)
 	touch $@
 
 $(VENV)/.installed-test: $(VENV)/.installed
-	$(PIP) install -e '.[dev,triton]' '$(TORCH_PIN)' '$(TRITON_PIN)'
+	$(PIP) install -e '.[dev,triton,structured,trl]' '$(TORCH_PIN)' '$(TRITON_PIN)'
 	$(PY) -c 'import torch; v = torch.__version__.split("+")[0]; assert v == "$(TORCH_VERSION)", f"torch changed to {torch.__version__}"'
 	touch $@
 

@@ -44,6 +44,7 @@ from cbgen.request import Request, RequestGroup, RequestStatus
 from cbgen.sample.logits_processors import AllowedTokensProcessor, BadWordsProcessor
 from cbgen.sample.prompt_logprobs import record_prompt_logprobs
 from cbgen.sample.sampler import Sampler, SamplerOutput
+from cbgen.sample.structured import StructuredOutputs
 from cbgen.sampling_params import SamplingParams
 
 logger = logging.getLogger("cbgen")
@@ -110,7 +111,10 @@ class Engine:
         self.sync = GroupSync(lockstep) if lockstep is not None else None
         # Unseeded sampling differs between data-parallel replicas by default, never inside a group.
         seed = config.seed if config.seed is not None else self.topology.replica
-        self.sampler = Sampler(self.vocab_size, [*builtins, *logits_processors], seed=seed)
+        self.structured = StructuredOutputs(tokenizer, self.vocab_size, self.eos_token_ids)
+        self.sampler = Sampler(
+            self.vocab_size, [*builtins, *logits_processors], seed=seed, structured=self.structured
+        )
         self.output_processor = OutputProcessor(tokenizer)
         self.weights = WeightWatcher(model)
         self.groups: dict[str, RequestGroup] = {}
@@ -225,6 +229,7 @@ class Engine:
                 f"SamplingParams.logits_processor_args: unknown processor(s) {sorted(unknown)}; "
                 f"this engine has {self.sampler.logits_processor_names}"
             )
+        self.structured.validate(params)  # compiles the constraint (cached), if there is one
 
     def add_request(
         self,

@@ -91,6 +91,8 @@ class Request:
     # counts in ``num_tokens`` (the scheduler gives it its decode step; the runner patches the
     # input in on the device) but is not in ``token_ids``, so nothing else ever sees a stand-in.
     pending: bool = False
+    # Structured output: this sequence's grammar matcher (cbgen.sample.structured), made on first use.
+    structured_state: Any = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)
@@ -140,6 +142,7 @@ class Request:
         self.token_logprobs.clear()
         self.raw_logprobs.clear()
         self.log_kept_mass.clear()
+        self.structured_state = None  # its matcher consumed the dropped tokens
         if self.top_logprobs is not None:
             self.top_logprobs.clear()
         if self.prompt_logprobs is not None:

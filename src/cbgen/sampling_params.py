@@ -12,6 +12,8 @@ import operator
 from dataclasses import dataclass, field
 from typing import Any
 
+from cbgen.structured_params import StructuredOutputParams
+
 
 @dataclass
 class SamplingParams:
@@ -43,6 +45,9 @@ class SamplingParams:
     skip_special_tokens: bool = True
     # Per-request arguments for the engine's batch-level logits processors, keyed by processor name.
     logits_processor_args: dict[str, Any] | None = None
+    # Constrained output (JSON schema, any JSON object, regex, choice, Lark grammar): a
+    # StructuredOutputParams or a dict of its fields, e.g. {"json": schema}.
+    structured_output: StructuredOutputParams | dict[str, Any] | None = None
     extra: dict[str, Any] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
@@ -101,6 +106,7 @@ class SamplingParams:
         self.seed = _as_int(self.seed) if self.seed is not None else None
         integer("logprobs", 0, optional=True)
         integer("prompt_logprobs", 0, optional=True)
+        self.structured_output = StructuredOutputParams.coerce(self.structured_output)
 
     def _checked_logit_bias(self, bad) -> dict[int, float]:
         if not isinstance(self.logit_bias, dict):

@@ -50,7 +50,8 @@ class BatchParams:
     Row lists are plain Python lists (cheap to build, turned into tensors once by the caller);
     per-row scalars are CPU tensors of length ``num_rows``.  ``modified[i]`` says the processed
     logits of row ``i`` may differ from the raw ones; ``masked[i]`` that stage 0/1 may have set
-    some of them to ``-inf`` (custom processors, ``min_tokens``, a ``-inf`` logit bias).
+    some of them to ``-inf`` (custom processors, ``min_tokens``, a ``-inf`` logit bias, structured
+    output).
     """
 
     num_rows: int
@@ -74,6 +75,7 @@ class BatchParams:
     banned_cols: list[int] = field(default_factory=list)
     processor_rows: dict[str, list[int]] = field(default_factory=dict)
     processor_args: dict[str, list[Any]] = field(default_factory=dict)
+    structured_rows: list[int] = field(default_factory=list)  # rows with SamplingParams.structured_output
     modified: list[bool] = field(default_factory=list)
     masked: list[bool] = field(default_factory=list)
     identity: list[bool] = field(default_factory=list)  # sampled, unmodified, temperature 1
@@ -109,6 +111,7 @@ class BatchParams:
                 and not p.presence_penalty
                 and not p.logit_bias
                 and not p.logits_processor_args
+                and p.structured_output is None
                 and p.logprobs is None
                 and req.num_output_tokens >= p.min_tokens
             ):
@@ -163,6 +166,9 @@ class BatchParams:
                     out.processor_rows.setdefault(name, []).append(i)
                     out.processor_args.setdefault(name, []).append(arg)
                     modified = masked = True
+            if p.structured_output is not None:
+                out.structured_rows.append(i)
+                modified = masked = True
             if p.logprobs is not None:
                 out.logprob_rows.append(i)
                 out.num_top_logprobs = max(out.num_top_logprobs, p.logprobs)

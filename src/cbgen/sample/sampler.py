@@ -2,7 +2,8 @@
 
 Processing order per row (the same as ``transformers`` ``generate()``):
 
-0. custom batch logits processors and ``min_tokens`` suppression (EOS unless ``ignore_eos``, and
+0. the structured-output mask (:mod:`~cbgen.sample.structured`, every constrained row in one fill),
+   custom batch logits processors and ``min_tokens`` suppression (EOS unless ``ignore_eos``, and
    ``stop_token_ids``, get ``-inf`` while fewer than ``min_tokens`` tokens were generated);
 1. repetition penalty (prompt + output, ``transformers`` semantics), presence/frequency penalties
    (output only, OpenAI semantics), logit bias;
@@ -48,6 +49,7 @@ from cbgen.sample.sampled import SampledRows
 from cbgen.sample.sampled_readback import sample_rows_readback
 from cbgen.sample.sampled_sync_free import sample_rows_sync_free
 from cbgen.sample.sampler_output import FLAG_BAD_LOGITS, FLAG_NOTHING_CHOOSABLE, FLAG_OK, SamplerOutput
+from cbgen.sample.structured import StructuredOutputs
 from cbgen.sample.workspace import Workspace
 
 
@@ -66,6 +68,8 @@ class Sampler:
     (the default) chooses by the logits' device.  Both draw from the same distribution; a seeded row
     can pick a different token in the two modes, because the spill case of ``False`` walks the
     vocabulary in id order instead of by probability.
+
+    ``structured`` masks the rows of requests with ``structured_output``; without it such rows fail.
     """
 
     def __init__(
@@ -74,9 +78,11 @@ class Sampler:
         logits_processors: Sequence[BatchLogitsProcessor] = (),
         seed: int = 0,
         sync_free: bool | None = None,
+        structured: StructuredOutputs | None = None,
     ) -> None:
         self.vocab_size = vocab_size
         self.sync_free = sync_free
+        self.structured = structured
         self._processors: dict[str, BatchLogitsProcessor] = {}
         for proc in logits_processors:
             if proc.name in self._processors:
@@ -153,6 +159,8 @@ class Sampler:
         if not params.any_modified:
             return raw, raw
         proc = self._workspace.buffer("proc", num_rows, vocab, dev).copy_(raw)
+        if params.structured_rows:
+            self._structured(proc, params.structured_rows, requests, failed)
         run_batch_processors(self._processors, proc, params, requests, failed)
         apply_banned_tokens(proc, params.banned_rows, params.banned_cols)
         apply_repetition_penalty(proc, requests, params.repetition_rows, params.repetition_penalty)
@@ -161,6 +169,15 @@ class Sampler:
         )
         apply_logit_bias(proc, params.bias_rows, params.bias_cols, params.bias_values)
         return raw, proc
+
+    def _structured(
+        self, proc: torch.Tensor, rows: list[int], requests: Sequence[Request], failed: dict[int, str]
+    ) -> None:
+        if self.structured is None:
+            for r in rows:
+                failed[r] = "structured output is not available in this sampler"
+            return
+        self.structured.apply(proc, rows, requests, failed)
 
 
 @dataclass

@@ -259,4 +259,9 @@ async def run_plan(state: ServerState, plan: GenerationPlan, request: Request, a
     streams = state.submit(
         plan.prompts, plan.params, ("chatcmpl-" if plan.chat else "cmpl-") + uuid.uuid4().hex
     )
-    return await respond(GenerationJob(state, plan, streams, arrival), request, plan.stream)
+    job_class = GenerationJob
+    if plan.tools is not None and plan.tools.parse:  # tool calls in the output (cbgen.server.tool_job)
+        from cbgen.server.tool_job import ToolCallJob
+
+        job_class = ToolCallJob
+    return await respond(job_class(state, plan, streams, arrival), request, plan.stream)

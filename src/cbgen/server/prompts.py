@@ -7,6 +7,7 @@ from typing import Any
 from cbgen.server.errors import bad_request
 from cbgen.server.schemas import ChatCompletionRequest, ChatMessage, CompletionRequest
 from cbgen.server.state import ServerState
+from cbgen.server.tools import chat_message, template_kwargs, tool_plan
 
 
 def check_prompt(state: ServerState, ids: list[int]) -> None:
@@ -75,19 +76,24 @@ def chat_prompt(state: ServerState, req: ChatCompletionRequest) -> list[int]:
     """The conversation rendered with the tokenizer's chat template, as token ids (not yet length-checked)."""
     if state.tokenizer is None or not getattr(state.tokenizer, "chat_template", None):
         raise bad_request("this model has no chat template; use /v1/completions", param="messages")
-    if req.tools:
-        raise bad_request("tool calling is not supported by this server", param="tools")
-    if req.tool_choice not in (None, "none"):
-        raise bad_request("tool_choice is not supported by this server", param="tool_choice")
-    if req.response_format is not None and req.response_format.get("type", "text") != "text":
-        raise bad_request("only response_format {'type': 'text'} is supported", param="response_format")
+    # Tools (cbgen.server.tools): checked, and the template must render them; response_format is
+    # the sampling side's (cbgen.server.structured).
+    tool_kwargs = template_kwargs(state, req, tool_plan(req))
     conversation = []
     for i, m in enumerate(req.messages):
+        tool_entry = chat_message(i, m)  # a tool result, or an assistant message with tool calls
+        if tool_entry is not None:
+            conversation.append(tool_entry)
+            continue
         role = "system" if m.role == "developer" else m.role
         conversation.append({"role": role, "content": _message_text(i, m)})
     try:
         ids = state.tokenizer.apply_chat_template(
-            conversation, tokenize=True, add_generation_prompt=req.add_generation_prompt, return_dict=False
+            conversation,
+            tokenize=True,
+            add_generation_prompt=req.add_generation_prompt,
+            return_dict=False,
+            **tool_kwargs,
         )
     except Exception as exc:  # template errors (e.g. a template's raise_exception) are the caller's input
         raise bad_request(f"could not apply the chat template: {exc}", param="messages") from None

@@ -14,9 +14,9 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, Stri
 
 Number = StrictFloat | StrictInt
 
-# "developer" is OpenAI's newer name for "system"; tool and function messages need tool calling,
-# which this server does not implement, so they are rejected rather than silently mis-rendered.
-ChatRole = Literal["system", "developer", "user", "assistant"]
+# "developer" is OpenAI's newer name for "system"; "tool" messages carry tool results (tool calling:
+# cbgen.server.tools); legacy "function" messages are rejected rather than silently mis-rendered.
+ChatRole = Literal["system", "developer", "user", "assistant", "tool"]
 
 
 class _Body(BaseModel):
@@ -54,6 +54,12 @@ class SamplingFields(_Body):
     include_stop_str_in_output: StrictBool | None = None
     skip_special_tokens: StrictBool | None = None
     stop_token_ids: list[StrictInt] | None = None
+    # Structured output (cbgen.server.structured): vLLM's guided decoding fields.
+    guided_json: dict[str, Any] | StrictStr | None = None
+    guided_regex: StrictStr | None = None
+    guided_choice: list[StrictStr] | None = None
+    guided_grammar: StrictStr | None = None
+    structured_outputs: dict[str, Any] | None = None
 
 
 class CompletionRequest(SamplingFields):
@@ -79,6 +85,9 @@ class ChatMessage(_Body):
     role: ChatRole
     content: StrictStr | list[ContentPart] | None = None
     name: StrictStr | None = None
+    # Tool calling (cbgen.server.tools): an assistant's calls, and which call a tool message answers.
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: StrictStr | None = None
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -91,4 +100,5 @@ class ChatCompletionRequest(SamplingFields):
     add_generation_prompt: StrictBool = True
     tools: list[Any] | None = None
     tool_choice: Any = None
+    parallel_tool_calls: StrictBool | None = None
     response_format: dict[str, Any] | None = None

@@ -19,6 +19,8 @@ from cbgen.server.errors import APIError, bad_request, sampling_param_of, valida
 from cbgen.server.prompts import chat_prompt, check_prompt, completion_prompts
 from cbgen.server.schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
 from cbgen.server.state import ServerLimits, ServerState
+from cbgen.server.structured import structured_kwargs
+from cbgen.server.tools import ToolPlan, tool_plan
 
 
 @dataclass
@@ -32,6 +34,7 @@ class GenerationPlan:
     logprobs: bool
     include_usage: bool
     stream: bool
+    tools: ToolPlan | None = None  # chat with tools (cbgen.server.tools)
 
 
 def _reject_constant(name: str) -> Any:
@@ -197,6 +200,7 @@ def sampling_params(
         seed=req.seed,
         logprobs=logprobs,
     )
+    kwargs.update(structured_kwargs(state, req))  # response_format, guided_*, forced tool calls
     if kwargs["min_tokens"] > max_tokens:
         raise bad_request(
             f"min_tokens={kwargs['min_tokens']} exceeds max_tokens={max_tokens}", param="min_tokens"
@@ -250,4 +254,6 @@ def plan_chat(state: ServerState, req: ChatCompletionRequest) -> GenerationPlan:
     max_tokens = resolve_max_tokens(state, requested, None, len(ids), name)
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     params = sampling_params(state, req, max_tokens, logprobs)
-    return GenerationPlan(True, [ids], [params], req.n, bool(req.logprobs), include_usage, bool(req.stream))
+    plan = GenerationPlan(True, [ids], [params], req.n, bool(req.logprobs), include_usage, bool(req.stream))
+    plan.tools = tool_plan(req)
+    return plan

@@ -1,0 +1,1 @@
+"""Adapters to frameworks that drive generation themselves (TRL).  Each imports its framework lazily."""

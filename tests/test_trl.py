@@ -1,0 +1,119 @@
+"""TRL's GRPOTrainer generating through cbgen (``cbgen.integrations.trl``), with and without LoRA.
+
+A tiny Llama and the tiny tokenizer (nothing downloaded), 3 optimizer steps, ``bf16=False``.  TRL is
+made to recompute its "old" logprobs (``steps_per_generation=2`` > ``gradient_accumulation_steps``),
+and those must equal the logprobs cbgen returned, token for token, to 1e-4.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+trl = pytest.importorskip("trl")
+datasets = pytest.importorskip("datasets")
+
+from cbgen.integrations.trl import _from_generation_kwargs, _groups, cbgen_rollout_func  # noqa: E402
+from tiny_models import make_model  # noqa: E402
+from tiny_tokenizer import make_tokenizer  # noqa: E402
+
+N = 4
+
+
+def _reward_digits(completions, **kwargs):
+    """Fraction of characters that are digits: learnable, and varied enough to give advantages."""
+    return [sum(c.isdigit() for c in text) / max(len(text), 1) for text in completions]
+
+
+def _trainer(tmp_path, rollout, peft_config=None, **config):
+    model = make_model("llama")
+    tok = make_tokenizer()
+    tok.padding_side = "left"
+    prompts = ["The weather in Paris", "Count to ten", "What is the answer", "Name a city", "yes or no"]
+    dataset = datasets.Dataset.from_dict({"prompt": prompts * 4})
+    args = trl.GRPOConfig(
+        output_dir=str(tmp_path),
+        per_device_train_batch_size=4,
+        steps_per_generation=2,  # generation batch 8 = 2 prompts x 4, reused over 2 optimizer steps
+        num_generations=N,
+        max_completion_length=12,
+        max_steps=3,
+        learning_rate=1e-3,
+        bf16=False,
+        use_cpu=True,
+        report_to="none",
+        logging_steps=1,
+        save_strategy="no",
+        temperature=0.9,
+        seed=0,
+        **config,
+    )
+    trainer = trl.GRPOTrainer(
+        model=model,
+        reward_funcs=_reward_digits,
+        args=args,
+        train_dataset=dataset,
+        processing_class=tok,
+        rollout_func=rollout,
+        peft_config=peft_config,
+    )
+    seen = []
+    original = trainer._generate_and_score_completions
+
+    def spy(inputs):
+        out = original(inputs)
+        seen.append({k: v.detach().clone() for k, v in out.items() if isinstance(v, torch.Tensor)})
+        return out
+
+    trainer._generate_and_score_completions = spy
+    return trainer, seen
+
+
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_grpo_trainer_runs_on_cbgen(tmp_path, lora, monkeypatch):
+    monkeypatch.setenv("TRL_EXPERIMENTAL_SILENCE", "1")
+    peft_config = None
+    if lora:
+        peft = pytest.importorskip("peft")
+        peft_config = peft.LoraConfig(
+            r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM"
+        )
+    rollout = cbgen_rollout_func(num_blocks=128, release_memory=True)
+    trainer, seen = _trainer(tmp_path, rollout, peft_config=peft_config)
+    trainer.train()
+
+    # Prompts arrived as groups of N equal prompts, one request of n=N each.
+    assert rollout.records and all(r.n == N and r.num_prompts == r.num_groups * N for r in rollout.records)
+    # The engine saw the optimizer steps (weights change between rollouts) and freed its KV cache.
+    llm = rollout.llm_for(trainer)
+    assert llm.weight_version >= 1 and not llm.engine.kv_cache.allocated
+    assert llm.model is trainer.accelerator.unwrap_model(trainer.model)
+    # TRL's own recomputation of the old logprobs equals cbgen's sampling logprobs.
+    assert seen
+    for out in seen:
+        mask = out["completion_mask"].bool()
+        old, ours = out["old_per_token_logps"], out["sampling_per_token_logps"]
+        assert old.shape == ours.shape
+        assert float((old - ours)[mask].abs().max()) < 1e-4
+    losses = [e["loss"] for e in trainer.state.log_history if "loss" in e]
+    assert len(losses) == 3 and all(math.isfinite(x) for x in losses)
+
+
+def test_grouping_and_generation_kwargs():
+    assert _groups(["a", "a", "b", "b", "a", "a"], 2) == [(0, 2), (2, 2), (4, 2)]
+    with pytest.raises(ValueError, match="num_generations=2"):
+        _groups(["a", "b"], 2)
+    conv = [[{"role": "user", "content": "x"}]] * 3
+    assert _groups(conv, 3) == [(0, 3)]
+    kw = _from_generation_kwargs(
+        {"max_new_tokens": 5, "do_sample": False, "suppress_tokens": [7], "top_k": 0}
+    )
+    assert kw == {"max_tokens": 5, "temperature": 0.0, "logit_bias": {7: float("-inf")}, "top_k": -1}
+    with pytest.raises(ValueError, match="num_beams"):
+        _from_generation_kwargs({"num_beams": 4})
+    with pytest.raises(ValueError, match="logprobs"):
+        cbgen_rollout_func(logprobs="sampled")
+    with pytest.raises(ValueError):
+        cbgen_rollout_func(sampling_overrides={"temperature": -1})
