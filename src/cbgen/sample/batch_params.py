@@ -144,23 +144,10 @@ class BatchParams:
                 out.frequency_penalty.append(float(p.frequency_penalty))
                 out.presence_penalty.append(float(p.presence_penalty))
                 modified = True
-            if p.logit_bias:
-                for token, bias in p.logit_bias.items():
-                    if 0 <= token < vocab_size and bias != 0.0:
-                        out.bias_rows.append(i)
-                        out.bias_cols.append(token)
-                        out.bias_values.append(bias)
-                        modified = True
-                        masked |= bias == NEG_INF
-            if req.num_output_tokens < p.min_tokens:
-                banned = set(p.stop_token_ids or ())
-                if not p.ignore_eos:
-                    banned |= req.eos_token_ids
-                for token in banned:
-                    if 0 <= token < vocab_size:
-                        out.banned_rows.append(i)
-                        out.banned_cols.append(token)
-                        modified = masked = True
+            if p.logit_bias or req.num_output_tokens < p.min_tokens:
+                biased, banned = out._add_bias_and_bans(i, req, vocab_size)
+                modified |= biased or banned
+                masked |= banned
             if p.logits_processor_args:
                 for name, arg in p.logits_processor_args.items():
                     out.processor_rows.setdefault(name, []).append(i)
@@ -176,6 +163,29 @@ class BatchParams:
             out.identity[i] = not greedy and not modified and p.temperature == 1.0
         out._finish(temperature, top_k, top_p, min_p)
         return out
+
+    def _add_bias_and_bans(self, i: int, req: Request, vocab_size: int) -> tuple[bool, bool]:
+        """Row ``i``'s logit bias, and the tokens ``min_tokens`` bans (EOS and stop tokens while too
+        few tokens were generated); returns (changed anything, set anything to -inf)."""
+        p = req.params
+        modified = masked = False
+        for token, bias in (p.logit_bias or {}).items():
+            if 0 <= token < vocab_size and bias != 0.0:
+                self.bias_rows.append(i)
+                self.bias_cols.append(token)
+                self.bias_values.append(bias)
+                modified = True
+                masked |= bias == NEG_INF
+        if req.num_output_tokens < p.min_tokens:
+            banned = set(p.stop_token_ids or ())
+            if not p.ignore_eos:
+                banned |= req.eos_token_ids
+            for token in banned:
+                if 0 <= token < vocab_size:
+                    self.banned_rows.append(i)
+                    self.banned_cols.append(token)
+                    modified = masked = True
+        return modified, masked
 
     def _finish(
         self, temperature: list[float], top_k: list[int], top_p: list[float], min_p: list[float]
