@@ -29,10 +29,13 @@ huge request hold every seat, block and token of the budget for as long as it ge
 puts several in one, e.g. the prompts of one HTTP request) and jobs are served least attained service
 first, for the budget and for admission alike.  A job is *young* until it has computed
 ``Fairness.quantum`` tokens, *old* after.  A young job that lacks a seat or blocks preempts the
-newest sequences of the most-served old jobs; while young jobs compute in a step, old jobs add at most
-``Fairness.old_share`` times as many tokens to it.  So a small request waits for at most the step in
-progress, then gets its first token after its own prefill (in steps of a bounded cost, about twice
-its own where a step's cost grows with its tokens), whatever the size or length of the old work.
+newest sequences of the most-served old jobs.  While young jobs compute, old jobs get
+``Fairness.old_share`` tokens per young token, counted over those steps (a credit: with a share of
+1/2 and one young decode row per step, one old row every other step), and only decode rows while the
+young jobs decode (a prefill chunk would take a decode step off its fast path: fused CPU kernels,
+CUDA graphs).  So a small request waits for at most the step in progress, then gets its first token
+after its own prefill, in steps that cost about what they would alone (at most ``1 + old_share``
+times, where a step's cost grows with its tokens), whatever the size or length of the old work.
 Old work never waits for young work that is blocked, and gets the whole budget once no young job
 computes; young work is bounded (``quantum`` tokens per job), so old jobs always progress.
 """
@@ -69,13 +72,13 @@ class SchedulerOutput:
 class Fairness:
     """How a fair scheduler shares steps between jobs (see the module docstring).
 
-    ``quantum``: tokens a job computes while it is young.  ``old_share``: while young jobs compute in a
-    step, old jobs may add at most this many times their tokens to it (None: no cap, which suits
-    devices where a bigger step costs little more).
+    ``quantum``: tokens a job computes while it is young.  ``old_share``: while young jobs compute, old
+    jobs get this many tokens per young token (None: no cap, which suits devices where a bigger step
+    costs little more).
     """
 
     quantum: int = 512
-    old_share: float | None = 1.0
+    old_share: float | None = 0.5
 
     def __post_init__(self) -> None:
         if self.quantum < 0:
@@ -108,6 +111,7 @@ class Scheduler:
         self._job_of: dict[str, str] = {}  # group id -> job, where set_job said so
         self._job_groups: dict[str, int] = {}  # job -> groups set_job put in it and not released
         self._served: dict[str, int] = {}  # job -> tokens scheduled for it so far
+        self._old_credit = 0.0  # tokens old jobs may still add to steps with young work
 
     # ------------------------------------------------------------------ queue management
     def add(self, request: Request) -> None:
@@ -242,35 +246,52 @@ class Scheduler:
         return out
 
     def _schedule_fair(self, out: SchedulerOutput) -> None:
-        """Young jobs first (running, then admitted, evicting old work), then old jobs within their
-        share of the step; least attained service first within each (see the module docstring)."""
-        young, old = self.is_young, self._is_old
+        """Young jobs first (running or waiting, least attained service first; admitted by evicting old
+        work), then old jobs within their share of the step (see the module docstring)."""
+        young, old, served = self.is_young, self._is_old, self.served
         before = len(out.preempted)  # the paused, preempted above
-        self.running.sort(key=self.served)  # stable: each job's sequences stay in admission order
-        budget, victims = self._serve_running(out, self.max_num_batched_tokens, young)
+        self.running.sort(key=served)  # stable: each job's sequences stay in admission order
+        # A running young job that has had more service than a waiting one goes after its admission.
+        waiting = [served(r) for r in self.waiting if r.group_id not in self.paused and young(r)]
+        cut = min(waiting, default=math.inf)
+        budget, victims = self._serve_running(
+            out, self.max_num_batched_tokens, lambda r: young(r) and served(r) <= cut
+        )
         if not any(young(v) for v in victims):
             budget = self._admit(out, budget, young, evict=old)
+        budget, _ = self._serve_running(out, budget, young)
         young_tokens = out.num_tokens
         share = self.fairness.old_share if self.fairness is not None else None
-        if share is not None and young_tokens:
-            budget = min(budget, max(1, math.ceil(share * young_tokens)))
-        self.running.sort(key=self.served)  # the young admitted above go before every old sequence
-        budget, _ = self._serve_running(out, budget, old)
-        if len(out.preempted) == before:  # old work is admitted only in steps that preempted nothing
-            self._admit(out, budget, old)
+        capped = share is not None and young_tokens > 0
+        if capped:
+            credit = self._old_credit + share * young_tokens
+            self._old_credit = min(credit, float(self.max_num_batched_tokens))
+            budget = min(budget, int(self._old_credit))
+        else:
+            self._old_credit = 0.0
+        # A step of decode rows only takes the fast path (fused CPU kernels, CUDA graphs): old work
+        # must not turn young decoding into a mixed step with a prefill chunk.
+        decoding = young_tokens > 0 and all(n == 1 and _decode_row(r) for r, n in out.scheduled)
+        old_wanted = (lambda r: old(r) and _decode_row(r)) if decoding else old
+        left, _ = self._serve_running(out, budget, old_wanted)
+        if len(out.preempted) == before and not decoding:  # old work is admitted only in steps
+            left = self._admit(out, left, old)  # that preempted nothing
+        if capped:
+            self._old_credit -= budget - left
 
     def _serve_running(
         self, out: SchedulerOutput, budget: int, wanted: RequestFilter | None = None
     ) -> tuple[int, list[Request]]:
-        """Gives running requests (those ``wanted``), in order, what they lack within ``budget``,
-        preempting the newest running sequences when blocks run out; returns the budget left and
-        the sequences preempted."""
+        """Gives running requests (those ``wanted`` and not scheduled yet), in order, what they lack
+        within ``budget``, preempting the newest unscheduled running sequences when blocks run out;
+        returns the budget left and the sequences preempted."""
         bm = self.block_manager
+        scheduled = {id(r) for r, _ in out.scheduled}
         victims: list[Request] = []
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            if wanted is not None and not wanted(request):
+            if id(request) in scheduled or (wanted is not None and not wanted(request)):
                 i += 1
                 continue
             if request.pending and request.num_output_tokens + 1 >= request.max_tokens:
@@ -285,7 +306,9 @@ class Scheduler:
                 self.running.pop(i)
                 continue
             while not bm.allocate(request, num_new):
-                victim = self.running.pop()  # newest (fair: most served) first
+                # Newest (fair: most served) first; ``request`` itself is unscheduled, so one is found
+                # at or after it and ``i`` stays valid.
+                victim = self._pop_victim(scheduled)
                 self._preempt(victim)
                 out.preempted.append(victim)
                 victims.append(victim)
@@ -293,23 +316,29 @@ class Scheduler:
                     break
             else:
                 out.scheduled.append((request, num_new))
+                scheduled.add(id(request))
                 budget -= num_new
                 i += 1
                 continue
             break
         return budget, victims
 
+    def _pop_victim(self, scheduled: set[int], evictable: RequestFilter | None = None) -> Request | None:
+        """Takes the last running sequence that is not scheduled in this step (and ``evictable``)."""
+        for i in range(len(self.running) - 1, -1, -1):
+            r = self.running[i]
+            if id(r) not in scheduled and (evictable is None or evictable(r)):
+                return self.running.pop(i)
+        return None
+
     def _evict(self, out: SchedulerOutput, evictable: RequestFilter) -> bool:
         """Preempts the last running sequence that is ``evictable`` and not scheduled in this step."""
-        scheduled = {id(r) for r, _ in out.scheduled}
-        for i in range(len(self.running) - 1, -1, -1):
-            victim = self.running[i]
-            if evictable(victim) and id(victim) not in scheduled:
-                self.running.pop(i)
-                self._preempt(victim)
-                out.preempted.append(victim)
-                return True
-        return False
+        victim = self._pop_victim({id(r) for r, _ in out.scheduled}, evictable)
+        if victim is None:
+            return False
+        self._preempt(victim)
+        out.preempted.append(victim)
+        return True
 
     def _admit(
         self,
@@ -383,3 +412,8 @@ class Scheduler:
                 return num_new, num_cached_tokens
             if not evict or not self._evict(out, evict):
                 return None
+
+
+def _decode_row(request: Request) -> bool:
+    """Whether computing the request's next tokens is one decode row (one token left to compute)."""
+    return request.num_tokens - request.num_computed_tokens <= 1

@@ -1,19 +1,34 @@
-"""Prompt token ids from a request: completions prompts (text or ids, one or many) and chat templating."""
+"""Prompt token ids from a request: completions prompts (text or ids, one or many) and chat templating.
+
+Special tokens: a completions prompt is tokenised as it is, control tokens included (its client writes
+the whole prompt anyway).  Chat message text is the user's, inside a template the server applies: by
+default any special-token text in it (``<|im_end|>``, ``<|im_start|>system``...) is kept literal, so
+a message cannot close its turn and forge a system one (``ServerLimits.allow_special_tokens`` parses it).
+"""
 
 from __future__ import annotations
 
+import uuid
 from typing import Any
 
 from cbgen.server.errors import bad_request
 from cbgen.server.schemas import ChatCompletionRequest, ChatMessage, CompletionRequest
 from cbgen.server.state import ServerState
 
+# No token is near this long, so text this many times the prompt limit cannot fit in it: such a
+# prompt is refused before spending time on tokenising it.
+_MAX_CHARS_PER_TOKEN = 64
+
+
+def prompt_limit(state: ServerState) -> int:
+    """The longest prompt accepted, in tokens (``--max-prompt-tokens``, default: context - 1)."""
+    limit = state.limits.max_prompt_tokens
+    return state.max_model_len - 1 if limit is None else limit
+
 
 def check_prompt(state: ServerState, ids: list[int]) -> None:
     """400 unless ``ids`` is a non-empty prompt within ``--max-prompt-tokens`` (default: context - 1)."""
-    limit = state.limits.max_prompt_tokens
-    if limit is None:
-        limit = state.max_model_len - 1
+    limit = prompt_limit(state)
     if len(ids) > limit:
         raise bad_request(f"prompt has {len(ids)} tokens, over the limit of {limit} tokens", param="prompt")
     if not ids:
@@ -38,9 +53,12 @@ def completion_prompts(state: ServerState, req: CompletionRequest) -> list[list[
         if isinstance(item, str):
             if state.tokenizer is None:
                 raise bad_request("text prompts need a tokenizer; send token ids", param="prompt")
-            if len(item) > 64 * state.max_model_len:
-                # Far longer than any context: reject before spending time tokenising it.
-                raise bad_request("prompt is far longer than the model's context", param="prompt")
+            if len(item) > _MAX_CHARS_PER_TOKEN * prompt_limit(state):
+                raise bad_request(
+                    f"prompt has {len(item):,} characters, far more than the limit of {prompt_limit(state)} "
+                    "tokens can hold",
+                    param="prompt",
+                )
             ids = list(state.tokenizer.encode(item, add_special_tokens=True))
         else:
             ids = list(item)
@@ -57,7 +75,8 @@ def completion_prompts(state: ServerState, req: CompletionRequest) -> list[list[
 
 def _message_text(i: int, m: ChatMessage) -> str:
     if m.content is None:
-        return ""
+        # OpenAI allows it only beside tool calls, which this server does not support.
+        raise bad_request(f"messages[{i}]: content must not be null", param=f"messages.{i}.content")
     if isinstance(m.content, str):
         return m.content
     parts = []
@@ -85,14 +104,65 @@ def chat_prompt(state: ServerState, req: ChatCompletionRequest) -> list[int]:
     for i, m in enumerate(req.messages):
         role = "system" if m.role == "developer" else m.role
         conversation.append({"role": role, "content": _message_text(i, m)})
+    chars = sum(len(m["content"]) for m in conversation)
+    if chars > _MAX_CHARS_PER_TOKEN * prompt_limit(state):
+        raise bad_request(
+            f"messages hold {chars:,} characters, far more than the prompt limit of {prompt_limit(state)} "
+            "tokens can hold",
+            param="messages",
+        )
+    specials = state.special_tokens
+    if not state.limits.allow_special_tokens and any(
+        t in m["content"] for m in conversation for t in specials
+    ):
+        return _literal_chat_prompt(state, conversation, req.add_generation_prompt)
+    return _template_ids(state, conversation, req.add_generation_prompt, tokenize=True)
+
+
+def _template_ids(
+    state: ServerState, conversation: list[dict[str, str]], add_generation_prompt: bool, tokenize: bool
+) -> Any:
     try:
-        ids = state.tokenizer.apply_chat_template(
-            conversation, tokenize=True, add_generation_prompt=req.add_generation_prompt, return_dict=False
+        out = state.tokenizer.apply_chat_template(
+            conversation, tokenize=tokenize, add_generation_prompt=add_generation_prompt, return_dict=False
         )
     except Exception as exc:  # template errors (e.g. a template's raise_exception) are the caller's input
         raise bad_request(f"could not apply the chat template: {exc}", param="messages") from None
-    if hasattr(ids, "tolist"):
-        ids = ids.tolist()
-    if ids and isinstance(ids[0], list):
-        ids = ids[0]
+    if not tokenize:
+        return out
+    if hasattr(out, "tolist"):
+        out = out.tolist()
+    if out and isinstance(out[0], list):
+        out = out[0]
+    return [int(t) for t in out]
+
+
+def _literal_chat_prompt(
+    state: ServerState, conversation: list[dict[str, str]], add_generation_prompt: bool
+) -> list[int]:
+    """The templated conversation with each message's text tokenised literally: the template is rendered
+    around a unique marker per message, its own text tokenised with control tokens, each message's
+    text with its special-token text split into ordinary tokens."""
+    tok = state.tokenizer
+    marks = [f"cbgen-{uuid.uuid4().hex}" for _ in conversation]
+    rendered = _template_ids(
+        state,
+        [{**m, "content": mark} for m, mark in zip(conversation, marks)],
+        add_generation_prompt,
+        tokenize=False,
+    )
+    ids: list[int] = []
+    pos = 0
+    for m, mark in zip(conversation, marks):
+        at = rendered.find(mark, pos)
+        if at < 0 or rendered.count(mark) != 1:
+            raise bad_request(
+                "this model's chat template does not place each message's text once, so special-token "
+                "text in a message cannot be kept literal; remove it",
+                param="messages",
+            )
+        ids += tok.encode(rendered[pos:at], add_special_tokens=False)
+        ids += tok.encode(m["content"], add_special_tokens=False, split_special_tokens=True)
+        pos = at + len(mark)
+    ids += tok.encode(rendered[pos:], add_special_tokens=False)
     return [int(t) for t in ids]
