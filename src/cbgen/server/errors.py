@@ -23,6 +23,15 @@ from cbgen.utils import get_logger
 
 logger = get_logger("cbgen.server")
 
+# The methods of each path (OPTIONS answers, and the Allow header of a 405).
+ALLOWED_METHODS = {
+    "/health": "GET, HEAD, OPTIONS",
+    "/metrics": "GET, HEAD, OPTIONS",
+    "/v1/models": "GET, HEAD, OPTIONS",
+    "/v1/completions": "POST, OPTIONS",
+    "/v1/chat/completions": "POST, OPTIONS",
+}
+
 
 class APIError(Exception):
     """An error answered with OpenAI's error body and ``status``."""
@@ -88,7 +97,10 @@ async def _request_validation(request: Request, exc: RequestValidationError) -> 
 async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
     code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
     response = APIError(exc.status_code, str(exc.detail), param=None, code=code).response()
-    response.headers.update(exc.headers or {})  # e.g. a 405's Allow
+    response.headers.update(exc.headers or {})
+    if exc.status_code == 405 and request.url.path in ALLOWED_METHODS:
+        # Starlette names the methods of the one route it matched; a path here has two.
+        response.headers["Allow"] = ALLOWED_METHODS[request.url.path]
     return response
 
 

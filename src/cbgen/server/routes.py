@@ -14,7 +14,7 @@ from starlette.responses import JSONResponse, Response
 
 from cbgen.async_engine import AsyncEngine
 from cbgen.server.auth import APIKeyMiddleware
-from cbgen.server.errors import install_error_handlers
+from cbgen.server.errors import ALLOWED_METHODS, install_error_handlers
 from cbgen.server.job import run_plan
 from cbgen.server.metrics import CONTENT_TYPE
 from cbgen.server.state import OFFLOAD_BYTES, ServerLimits, ServerState
@@ -26,16 +26,6 @@ router = APIRouter()
 
 def _state(request: Request) -> ServerState:
     return request.app.state.cbgen
-
-
-# Methods of each path, for OPTIONS (and the Allow header of a 405).
-_ALLOWED = {
-    "/health": "GET, HEAD, OPTIONS",
-    "/metrics": "GET, HEAD, OPTIONS",
-    "/v1/models": "GET, HEAD, OPTIONS",
-    "/v1/completions": "POST, OPTIONS",
-    "/v1/chat/completions": "POST, OPTIONS",
-}
 
 
 @router.api_route("/health", methods=["GET", "HEAD"])
@@ -68,10 +58,10 @@ async def models(request: Request) -> JSONResponse:
 
 async def _options(request: Request) -> Response:
     """The methods a path allows (no CORS: browsers' cross-origin requests are not served)."""
-    return Response(status_code=204, headers={"Allow": _ALLOWED[request.url.path]})
+    return Response(status_code=204, headers={"Allow": ALLOWED_METHODS[request.url.path]})
 
 
-for _path in _ALLOWED:
+for _path in ALLOWED_METHODS:
     router.add_api_route(_path, _options, methods=["OPTIONS"], include_in_schema=False)
 
 
