@@ -7,6 +7,7 @@ import re
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -108,3 +109,42 @@ def wait_idle(url: str, timeout: float) -> dict[str, float]:
         if time.monotonic() > deadline:
             raise AssertionError(f"server not idle after {timeout}s: {m}")
         time.sleep(0.05)
+
+
+class HealthProbe:
+    """Context manager: a thread that asks for ``/health`` every ``interval`` seconds, recording each
+    answer's latency, and as failures any error or status other than 200."""
+
+    def __init__(self, url: str, interval: float = 0.05, keep_alive: bool = False) -> None:
+        self.url = url
+        self.interval = interval
+        self.keep_alive = keep_alive  # one connection for every probe, or a new one each time
+        self.latencies: list[float] = []
+        self.failures: list[str] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        with httpx.Client(timeout=30) as http:
+            while not self._stop.is_set():
+                start = time.perf_counter()
+                try:
+                    if self.keep_alive:
+                        status = http.get(self.url + "/health").status_code
+                    else:
+                        status = httpx.get(self.url + "/health", timeout=30).status_code
+                except httpx.HTTPError as exc:
+                    self.failures.append(repr(exc))
+                    continue
+                self.latencies.append(time.perf_counter() - start)
+                if status != 200:
+                    self.failures.append(f"status {status}")
+                time.sleep(self.interval)
+
+    def __enter__(self) -> HealthProbe:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(60)

@@ -10,13 +10,12 @@ import asyncio
 import json
 import signal
 import statistics
-import threading
 import time
 
 import httpx
 import openai
 import pytest
-from serverproc import ServerProcess, metrics, wait_idle
+from serverproc import HealthProbe, ServerProcess, metrics, wait_idle
 
 pytestmark = pytest.mark.slow
 
@@ -278,24 +277,10 @@ def test_load_64_concurrent_streaming_clients(server):
         return time.perf_counter() - start
 
     # The event loop must stay responsive while the engine thread steps: probe /health meanwhile.
-    probe_latencies: list[float] = []
-    stop_probe = threading.Event()
-
-    def probe() -> None:
-        with httpx.Client(timeout=30) as http:
-            while not stop_probe.is_set():
-                t0 = time.perf_counter()
-                assert http.get(server.url + "/health").status_code == 200
-                probe_latencies.append(time.perf_counter() - t0)
-                time.sleep(0.1)
-
-    prober = threading.Thread(target=probe, daemon=True)
-    prober.start()
-    try:
+    with HealthProbe(server.url, interval=0.1, keep_alive=True) as probe:
         wall = asyncio.run(main())
-    finally:
-        stop_probe.set()
-        prober.join(30)
+    assert not probe.failures, probe.failures[:3]
+    probe_latencies = probe.latencies
     total = clients * per_client
     assert len(results) == total
     assert len({r[0] for r in results}) == total, "duplicated response ids"

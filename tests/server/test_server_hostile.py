@@ -15,15 +15,13 @@ import resource
 import signal
 import socket
 import statistics
-import subprocess
-import sys
 import threading
 import time
 
 import httpx
 import openai
 import pytest
-from serverproc import ServerProcess, metrics, wait_idle
+from serverproc import HealthProbe, ServerProcess, metrics, wait_idle
 
 pytestmark = pytest.mark.slow
 
@@ -48,8 +46,8 @@ ARGS = [
     "--max-connections", str(MAX_CONNECTIONS),
     "--header-timeout", str(HEADER_TIMEOUT),
     "--write-timeout", str(WRITE_TIMEOUT),
-    "--write-buffer-bytes", "16384",
-    "--stream-buffer", "8",
+    "--write-buffer-bytes", "4096",  # the least: a client that stops reading stalls its stream soonest
+    "--stream-buffer", "2",  # paused one or two steps after its writes stall
     # Two maximal requests in flight: one client's share (one half) is one of them.
     "--max-inflight-work", str(2 * REQUEST_WORK),
     "--log-level", "info",
@@ -103,28 +101,9 @@ def test_half_open_connections_leave_health_fast_and_the_log_quiet(hostile):
     resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, HALF_OPEN + 500), hard))
     url = hostile.url
     log_before, events_before = hostile.log_path.stat().st_size, _events(url)
-    latencies: list[float] = []
-    failures: list[str] = []
-    stop = threading.Event()
-
-    def probe() -> None:
-        while not stop.is_set():
-            start = time.perf_counter()
-            try:
-                status = httpx.get(url + "/health", timeout=10).status_code
-            except httpx.HTTPError as exc:
-                failures.append(repr(exc))
-                continue
-            latencies.append(time.perf_counter() - start)
-            if status != 200:
-                failures.append(f"status {status}")
-            time.sleep(0.05)
-
-    prober = threading.Thread(target=probe, daemon=True)
-    prober.start()
     socks: list[socket.socket] = []
-    start = time.perf_counter()
-    try:
+    with HealthProbe(url) as probe:
+        start = time.perf_counter()
         for i in range(HALF_OPEN):
             while time.perf_counter() - start < i / CONNECT_RATE:
                 time.sleep(0.001)
@@ -136,9 +115,7 @@ def test_half_open_connections_leave_health_fast_and_the_log_quiet(hostile):
                 pass  # refused at the cap: closed before we wrote
             socks.append(s)
         time.sleep(HEADER_TIMEOUT + 1.5)  # every one of them is closed by now
-    finally:
-        stop.set()
-        prober.join(30)
+    latencies, failures = probe.latencies, probe.failures
     closed = 0
     for s in socks:
         s.setblocking(False)
@@ -252,29 +229,28 @@ def test_streams_whose_clients_stop_reading_are_paused_then_aborted(hostile):
     samples: list[tuple[float, int, float, float, float]] = []  # t, rss, in flight, paused, used blocks
     start = time.monotonic()
     try:
-        while (elapsed := time.monotonic() - start) < NON_READING_SECONDS:
+        # At least the stated time, and until every stream was aborted: how soon a stream stalls
+        # depends on how fast this machine generates.
+        while True:
+            elapsed = time.monotonic() - start
             m = metrics(url)
             used = m["cbgen_num_blocks"] - m["cbgen_num_free_blocks"]
-            samples.append(
-                (
-                    elapsed,
-                    _rss(hostile.pid),
-                    m["cbgen_num_requests_in_flight"],
-                    m["cbgen_num_requests_paused"],
-                    used,
-                )
-            )
-            time.sleep(1.0)
-        idle = wait_idle(url, WRITE_TIMEOUT + 30)  # each aborted within the write timeout of its stall
+            inflight = m["cbgen_num_requests_in_flight"]
+            samples.append((elapsed, _rss(hostile.pid), inflight, m["cbgen_num_requests_paused"], used))
+            if elapsed >= NON_READING_SECONDS and inflight == 0:
+                break
+            assert elapsed < NON_READING_SECONDS + WRITE_TIMEOUT + 180, samples[-5:]
+            time.sleep(0.5)
+        idle = wait_idle(url, 30)
     finally:
         for s in socks:
             s.close()
     peak = max(rss for _, rss, *_ in samples)
-    paused_at = next((t for t, _, _, paused, _ in samples if paused >= 1), None)
-    freed_at = next((t for t, _, inflight, _, _ in samples if inflight == 0), None)
+    paused_at = next((round(t) for t, _, _, paused, _ in samples if paused >= 1), None)
+    freed_at = next(round(t) for t, _, inflight, _, _ in samples if inflight == 0)
     aborted = _events(url)["write_timeout"] - events_before.get("write_timeout", 0)
     print(
-        f"\nfour non-reading streams over {NON_READING_SECONDS:.0f} s: RSS {baseline / 2**20:.0f} -> peak "
+        f"\nfour non-reading streams over {samples[-1][0]:.0f} s: RSS {baseline / 2**20:.0f} -> peak "
         f"{peak / 2**20:.0f} MiB (+{(peak - baseline) / 2**20:.1f}); first paused at {paused_at} s; all freed at "
         f"{freed_at} s (write timeout {WRITE_TIMEOUT:.0f} s); write timeouts {aborted:.0f}"
     )
@@ -410,10 +386,10 @@ def test_slash_redirects_head_and_options(hostile):
 
 
 def test_help_points_to_the_api_key_variable():
-    out = subprocess.run(
-        [sys.executable, "-m", "cbgen.cli", "serve", "--help"], capture_output=True, text=True, timeout=120
-    )
-    assert out.returncode == 0 and "CBGEN_API_KEY" in out.stdout and "process list" in out.stdout
+    from cbgen.server.cli import _parser
+
+    text = " ".join(_parser().format_help().split())
+    assert "CBGEN_API_KEY" in text and "process list" in text
 
 
 def test_server_is_still_up_after_all_of_it(hostile):
