@@ -363,12 +363,13 @@ def test_old_work_gets_its_share_of_steps_with_young_work_in_decode_rows(share):
 
 def test_prompts_of_one_job_share_its_service():
     d = fair_driver(num_blocks=200, block_size=4, budget=8, max_seqs=16, quantum=16)
-    parts = [d.add(f"big{i}", list(range(1, 13)), 20)[0] for i in range(4)]
+    parts = [d.add(f"big{i}", [1 + i] * 12, 20)[0] for i in range(4)]
     for r in parts:
         d.sched.set_job(r.group_id, "big")
     for _ in range(3):
         d.step()
-    # 24 tokens computed for the job: all four prompts are old now, though two never ran.
+    # 24 tokens computed for the job: all four prompts are old now, though two never ran.  (Distinct
+    # prompts: a prompt found in the prefix cache would count as service too.)
     assert d.sched.served(parts[3]) == 24 and not d.sched.is_young(parts[3])
     (small,) = d.add("small", [9, 9, 9], 2)
     assert first_token_step(d, small) == 1

@@ -27,11 +27,12 @@ Fairness (opt-in: ``Scheduler.fairness``; the server turns it on).  First come, 
 huge request hold every seat, block and token of the budget for as long as it generates.  With a
 :class:`Fairness` policy, groups belong to *jobs* (a job is one group unless :meth:`Scheduler.set_job`
 puts several in one, e.g. the prompts of one HTTP request) and jobs are served least attained service
-first, for the budget and for admission alike.  A job is *young* until it has computed
+first (service: the tokens computed for a job, and the prompt tokens it found in the prefix cache),
+for the budget and for admission alike.  A job is *young* until it has computed
 ``Fairness.quantum`` tokens, *old* after.  A young job that lacks a seat or blocks preempts the
 newest sequences of the most-served old jobs.  While young jobs compute, old jobs get
 ``Fairness.old_share`` tokens per young token, counted over those steps (a credit: with a share of
-1/2 and one young decode row per step, one old row every other step), and only decode rows while the
+1/4 and one young decode row per step, one old row every fourth step), and only decode rows while the
 young jobs decode (a prefill chunk would take a decode step off its fast path: fused CPU kernels,
 CUDA graphs).  So a small request waits for at most the step in progress, then gets its first token
 after its own prefill, in steps that cost about what they would alone (at most ``1 + old_share``
@@ -78,7 +79,8 @@ class Fairness:
     """
 
     quantum: int = 512
-    old_share: float | None = 0.5
+    # A quarter: on a CPU, one more decode row can cost most of what the first one does.
+    old_share: float | None = 0.25
 
     def __post_init__(self) -> None:
         if self.quantum < 0:
@@ -388,6 +390,11 @@ class Scheduler:
             self.waiting.remove(request)
             if request.num_preemptions == 0:
                 request.num_cached_tokens = num_cached_tokens
+                # Prompt served from the cache counts as service: a job cannot stay young (and
+                # uncapped) by sending prompts it knows are cached.
+                if self.fairness is not None and num_cached_tokens:
+                    job = self._job_of.get(request.group_id, request.group_id)
+                    self._served[job] = self._served.get(job, 0) + num_cached_tokens
             self.stats.prefix_cache_queries += request.num_tokens
             self.stats.prefix_cache_hits += num_cached_tokens
             request.status = RequestStatus.RUNNING

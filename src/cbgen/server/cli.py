@@ -133,7 +133,7 @@ def _admission_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--fair-old-share",
         type=_share,
-        default=0.5,
+        default=0.25,
         help="old work per token of young work in a step ('none': no cap; raise it on GPUs)",
     )
 

@@ -18,6 +18,26 @@ from cbgen.server.state import ServerState
 # No token is near this long, so text this many times the prompt limit cannot fit in it: such a
 # prompt is refused before spending time on tokenising it.
 _MAX_CHARS_PER_TOKEN = 64
+# Text longer than this many characters per token of the limit is first counted on a prefix of that
+# length: most text has several tokens per four characters, so a prompt far over the limit is found
+# without tokenising all of it (a megabyte takes seconds of CPU the engine needs).
+_PREFIX_CHARS_PER_TOKEN = 4
+
+
+def _prefix_over_limit(state: ServerState, text: str, literal: bool, what: str) -> None:
+    """400 if a prefix of ``text`` alone has more tokens than the prompt limit."""
+    limit = prompt_limit(state)
+    cut = _PREFIX_CHARS_PER_TOKEN * (limit + 2)
+    if len(text) <= cut:
+        return
+    n = len(state.tokenizer.encode(text[:cut], add_special_tokens=False, split_special_tokens=literal))
+    if n > limit + 1:  # + 1: the cut may split a token in two
+        raise bad_request(
+            f"{what} {'has' if what == 'prompt' else 'have'} more than {n - 1} tokens in the first {cut:,} "
+            "characters, over the limit of "
+            f"{limit} tokens",
+            param=what,
+        )
 
 
 def prompt_limit(state: ServerState) -> int:
@@ -59,6 +79,7 @@ def completion_prompts(state: ServerState, req: CompletionRequest) -> list[list[
                     "tokens can hold",
                     param="prompt",
                 )
+            _prefix_over_limit(state, item, False, "prompt")
             ids = list(state.tokenizer.encode(item, add_special_tokens=True))
         else:
             ids = list(item)
@@ -111,6 +132,8 @@ def chat_prompt(state: ServerState, req: ChatCompletionRequest) -> list[int]:
             "tokens can hold",
             param="messages",
         )
+    literal = not state.limits.allow_special_tokens
+    _prefix_over_limit(state, "\n".join(m["content"] for m in conversation), literal, "messages")
     specials = state.special_tokens
     if not state.limits.allow_special_tokens and any(
         t in m["content"] for m in conversation for t in specials
