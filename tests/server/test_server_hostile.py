@@ -223,21 +223,25 @@ def test_monopolising_request_is_refused_and_its_allowed_form_does_not_starve_ot
             url + "/v1/completions", json={**MONOPOLY, "stream": False, "logprobs": 0}, timeout=60
         )
         assert same.status_code == 429 and "one client" in same.json()["error"]["message"]
-        loaded = [_small_request_seconds(other) for _ in range(5)]
+        loaded = [_small_request_seconds(other) for _ in range(7)]
         m = metrics(url)
         assert m["cbgen_num_requests_in_flight"] >= 8 and m["cbgen_num_requests_paused"] == 0
         assert hog.is_alive(), "the monopolising request ended before the measurement did"
     finally:
         received["stop"] = True
         hog.join(60)
-    ratio = statistics.median(loaded) / statistics.median(unloaded)
+    wait_idle(url, 60)
+    # This machine's speed drifts with what else runs on it: the reference is the mean of the
+    # unloaded medians before and after.
+    after = [_small_request_seconds(other) for _ in range(5)]
+    alone = (statistics.median(unloaded) + statistics.median(after)) / 2
+    ratio = statistics.median(loaded) / alone
     print(
-        f"\n8-token request alone: p50 {statistics.median(unloaded):.2f} s {[round(x, 2) for x in unloaded]}; "
-        f"beside {m['cbgen_num_requests_running']:.0f} running sequences of the monopolising request: p50 "
-        f"{statistics.median(loaded):.2f} s {[round(x, 2) for x in loaded]} ({ratio:.2f}x)"
+        f"\n8-token request alone: p50 {alone:.2f} s (before {[round(x, 2) for x in unloaded]}, after "
+        f"{[round(x, 2) for x in after]}); beside {m['cbgen_num_requests_running']:.0f} running sequences of the "
+        f"monopolising request: p50 {statistics.median(loaded):.2f} s {[round(x, 2) for x in loaded]} ({ratio:.2f}x)"
     )
     assert ratio <= 2.0
-    wait_idle(url, 60)
 
 
 # ---------------------------------------------------------------------------------------------- (3) non-reading
@@ -344,9 +348,11 @@ def test_megabyte_chat_bodies_do_not_slow_other_clients(hostile):
     finally:
         stop.set()
         flooder.join(120)
-    ratio = statistics.median(loaded) / statistics.median(unloaded)
+    after = [_small_request_seconds(other) for _ in range(7)]
+    alone = (statistics.median(unloaded) + statistics.median(after)) / 2  # before and after: drift
+    ratio = statistics.median(loaded) / alone
     print(
-        f"\n8-token request p50 {statistics.median(unloaded):.2f} s alone, {statistics.median(loaded):.2f} s "
+        f"\n8-token request p50 {alone:.2f} s alone, {statistics.median(loaded):.2f} s "
         f"({ratio:.2f}x) beside {len(sent)} back-to-back 1 MB chat bodies (each answered in "
         f"{statistics.median(sent):.2f} s); /health max {max(health) * 1000:.0f} ms"
     )
