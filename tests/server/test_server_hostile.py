@@ -447,8 +447,8 @@ def test_health_answers_503_while_shutting_down(hostile):
     url = hostile.url
     stalled = _non_reading_stream(url)
     try:
-        deadline = time.monotonic() + 60
-        while metrics(url)["cbgen_num_requests_running"] == 0:
+        deadline = time.monotonic() + 120
+        while metrics(url)["cbgen_num_requests_paused"] == 0:  # its writes wait: buffers are full
             assert time.monotonic() < deadline
             time.sleep(0.2)
         hostile.proc.send_signal(signal.SIGTERM)
