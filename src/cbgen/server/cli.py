@@ -287,10 +287,12 @@ class _GracefulServer(uvicorn.Server):
         self._guard = guard
 
     async def startup(self, sockets: Any = None) -> None:
+        """uvicorn's startup, with the accept loop's resource errors counted instead of logged."""
         quiet_accept_errors(asyncio.get_running_loop(), self._guard)
         await super().startup(sockets)
 
     async def shutdown(self, sockets: Any = None) -> None:
+        """Aborts generations, waits (listening) for the requests in flight, then shuts uvicorn down."""
         self._on_shutdown()
         in_flight = set(self.server_state.tasks)
         if in_flight:

@@ -153,6 +153,7 @@ class GuardedH11Protocol(H11Protocol):
 
     # ------------------------------------------------------------------ asyncio.Protocol
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        """Sizes the send buffers, then admits the connection under the cap (or answers 503)."""
         super().connection_made(transport)
         limits = self.guard.limits
         transport.set_write_buffer_limits(high=min(limits.write_buffer, 64 * 1024))
@@ -169,10 +170,12 @@ class GuardedH11Protocol(H11Protocol):
         self._became_idle()
 
     def data_received(self, data: bytes) -> None:
+        """Ignores what a refused connection sends while its close completes."""
         if not self._refused:
             super().data_received(data)
 
     def connection_lost(self, exc: Exception | None) -> None:
+        """Releases the connection's place under the cap."""
         self._cancel_timer()
         self.guard.closed(self, self._counted)
         self._counted = False
@@ -180,6 +183,7 @@ class GuardedH11Protocol(H11Protocol):
 
     # ------------------------------------------------------------------ uvicorn hooks
     def handle_events(self) -> None:
+        """Marks the connection busy (not evictable, no head deadline) once a request head arrived."""
         cycle = self.cycle
         super().handle_events()
         if self.cycle is not cycle and not self.cycle.response_complete:
@@ -187,12 +191,14 @@ class GuardedH11Protocol(H11Protocol):
             self.guard.busy(self)
 
     def on_response_complete(self) -> None:
+        """Makes the connection evictable again and starts the deadline for the next head."""
         super().on_response_complete()
         if not self.transport.is_closing() and (self.cycle is None or self.cycle.response_complete):
             self.guard.idle(self)
             self._became_idle()
 
     def timeout_keep_alive_handler(self) -> None:
+        """uvicorn's keep-alive expiry, which must not wait forever for a client that does not read."""
         self._close_idle()
 
     # ------------------------------------------------------------------ deadlines
