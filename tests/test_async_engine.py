@@ -13,6 +13,7 @@ import torch
 
 from cbgen import LLM, SamplingParams
 from cbgen.async_engine import AsyncEngine, EngineShutdownError, QueueFullError
+from cbgen.core.scheduler import Fairness
 from tiny_models import make_model, make_prompts
 
 TIMEOUT = 60.0
@@ -373,3 +374,122 @@ def test_from_llm_and_wrong_type(llm):
         ae.shutdown()
     with pytest.raises(TypeError):
         AsyncEngine(object())
+
+
+# ---------------------------------------------------------------------------------------------- admission by work
+def test_work_budget_counts_sequences_times_tokens_and_frees_on_end(llm):
+    ae = AsyncEngine(llm, max_inflight_work=100)
+    try:
+
+        async def main():
+            wide = SamplingParams(n=4, max_tokens=17, temperature=1.0, ignore_eos=True)  # 4 x (3 + 17) = 80
+            with ae.pause():
+                first = ae.add_request([5, 6, 7], wide)
+                assert ae.stats().inflight_work == 80
+                with pytest.raises(QueueFullError, match="token slots"):
+                    ae.add_request([5, 6, 7], SamplingParams(max_tokens=18))  # 80 + 21 > 100
+                with pytest.raises(ValueError, match="101 token slots"):  # could never fit
+                    ae.add_request([5, 6, 7], SamplingParams(n=1, max_tokens=98))
+                small = ae.add_request([5, 6], SamplingParams(max_tokens=18))  # 80 + 20 fits
+            assert (await _drain(first))[-1].finished and (await _drain(small))[-1].finished
+            assert ae.stats().inflight_work == 0 and ae.admission.requests == 0
+            cancelled = ae.add_request([5, 6, 7], wide)
+            cancelled.cancel()
+            assert ae.stats().inflight_work == 0
+
+        run(main())
+    finally:
+        ae.shutdown(timeout=30)
+
+
+async def _drain(stream):
+    return [o async for o in stream]
+
+
+def test_one_client_holds_at_most_its_share(llm):
+    ae = AsyncEngine(llm, max_concurrent_requests=4, max_inflight_work=1000, client_share=0.5)
+    try:
+
+        async def main():
+            params = SamplingParams(max_tokens=50, temperature=0, ignore_eos=True)
+            with ae.pause():
+                mine = [ae.add_request([5, 6], params, client="a") for _ in range(2)]
+                with pytest.raises(QueueFullError, match="one client"):
+                    ae.add_request([5, 6], params, client="a")  # 2 of 4 requests: its share
+                theirs = ae.add_request([5, 6], params, client="b")
+                with pytest.raises(ValueError, match="in-flight limit of 500 for one client"):
+                    ae.add_request([5], SamplingParams(max_tokens=500), client="b")
+            for s in [*mine, theirs]:
+                assert (await _drain(s))[-1].finished
+            assert ae.admission.held_by("a") == (0, 0)
+
+        run(main())
+    finally:
+        ae.shutdown(timeout=30)
+
+
+# ---------------------------------------------------------------------------------------------- backpressure
+def test_stream_whose_reader_stops_is_paused_and_loses_nothing(llm):
+    params = SamplingParams(max_tokens=60, temperature=0, ignore_eos=True)
+    expected = llm.generate([[5, 6, 7]], params, use_tqdm=False)[0].outputs[0].token_ids
+    ae = AsyncEngine(llm, stream_buffer=4)
+    try:
+
+        async def main():
+            stream = ae.add_request([5, 6, 7], params)
+            await _wait_for(lambda: ae.stats().streams_paused == 1)
+            steps = ae.stats().steps
+            await asyncio.sleep(0.3)
+            # Preempted and parked: nothing more is computed, buffered or held.
+            assert ae.stats().steps == steps and ae.stats().num_used_blocks == 0
+            assert stream.buffered <= 4 + 2  # the bound, plus outputs of steps already under way
+            outs = await _drain(stream)
+            tokens, _, reasons = _join(outs)
+            assert tokens[0] == expected and reasons == ["length"]
+            assert ae.stats().streams_paused == 0 and ae.stats().preemptions >= 1
+
+        run(main())
+    finally:
+        ae.shutdown(timeout=30)
+
+
+def test_shutdown_lets_a_paused_stream_finish(llm):
+    ae = AsyncEngine(llm, stream_buffer=2)
+
+    async def main():
+        stream = ae.add_request([5, 6], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
+        await _wait_for(lambda: ae.stats().streams_paused == 1)
+        ae.start_shutdown(abort_inflight=False)
+        tokens, _, reasons = _join(await _drain(stream))
+        assert len(tokens[0]) == 12 and reasons == ["length"]
+
+    run(main())
+    ae.shutdown(timeout=30)
+    assert not ae._thread.is_alive()
+
+
+@pytest.mark.parametrize("fair", [True, False])
+def test_fair_engine_serves_a_small_request_while_a_big_one_runs(fair):
+    # The big job takes every seat: first come, first served admits the small request only once one
+    # of the big sequences has ended, 200 tokens in.  (Nobody reads the big streams: unbounded
+    # buffers keep backpressure from freeing seats in its stead.)
+    llm = LLM(make_model("llama"), block_size=8, num_blocks=64, max_num_seqs=16)
+    ae = AsyncEngine(llm, stream_buffer=None, fairness=Fairness(quantum=16) if fair else None)
+    big_params = SamplingParams(n=4, max_tokens=200, ignore_eos=True)
+
+    async def main():
+        big = [ae.add_request([5 + i, 6, 7], big_params, job="big") for i in range(4)]
+        await _wait_for(lambda: ae.stats().generated_tokens > 40)
+        small = await _drain(ae.add_request([9, 9], SamplingParams(max_tokens=4, ignore_eos=True)))
+        assert small[-1].outputs[0].finish_reason == "length"
+        ended_before = ae.stats().requests_finished - 1
+        for s in big:
+            s.cancel()
+        await _wait_for(lambda: ae.stats().num_used_blocks == 0)
+        return ended_before
+
+    try:
+        ended_before = run(main())
+    finally:
+        ae.shutdown(timeout=30)
+    assert (ended_before == 0) if fair else (ended_before >= 1)

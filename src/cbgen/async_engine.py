@@ -14,6 +14,17 @@ Failure isolation:
   output with ``finish_reason == "error"`` and ``RequestOutput.error`` set; others are untouched;
 * an exception escaping ``Engine.step()`` itself fails every request in flight with an error output
   (their blocks are released through ``Engine.abort``) and the loop keeps running for new requests.
+
+Admission and backpressure:
+
+* a request's *work* is ``n x (prompt + max_tokens)`` token slots.  Besides the count of requests
+  in flight, the work in flight may be bounded (``max_inflight_work``), and one client (the
+  ``client`` tag of ``add_request``) may hold at most ``client_share`` of either bound.  Past a
+  bound a request raises :class:`QueueFullError`; a request that could never fit raises ValueError.
+* each stream buffers at most ``stream_buffer`` undelivered outputs: past that its request is
+  paused (the scheduler preempts it, keeping its tokens) until the consumer has read most of them.
+* ``fairness`` turns on the scheduler's fair policy (:class:`~cbgen.core.scheduler.Fairness`);
+  ``add_request(job=...)`` puts several requests in one job, e.g. the prompts of one HTTP request.
 """
 
 from __future__ import annotations
@@ -30,6 +41,8 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from cbgen.core.admission import Admission, QueueFullError
+from cbgen.core.scheduler import Fairness
 from cbgen.core.stats import EngineStats
 from cbgen.engine import Engine
 from cbgen.inputs import as_token_ids
@@ -45,11 +58,6 @@ __all__ = [
     "QueueFullError",
     "RequestStream",
 ]
-
-
-class QueueFullError(RuntimeError):
-    """Raised by :meth:`AsyncEngine.add_request` / :meth:`AsyncEngine.generate` when
-    ``max_concurrent_requests`` requests are already in flight (servers map it to HTTP 429)."""
 
 
 class EngineShutdownError(RuntimeError):
@@ -71,6 +79,8 @@ class AsyncEngineStats(EngineStats):
     step_errors: int = 0
     paused: bool = False
     alive: bool = True
+    streams_paused: int = 0  # requests paused because their consumer fell behind
+    inflight_work: int = 0  # token slots (n x (prompt + max_tokens)) of the requests in flight
 
 
 class RequestStream:
@@ -89,10 +99,23 @@ class RequestStream:
         self.finished = False  # the consumer has seen the final output (or an exception)
         self.cancelled = False
         self.n = 1  # samples per request, so a synthesised error output has one entry per sample
+        self.work = 0  # token slots it holds in the owner's budget
+        self.client: str | None = None
+        self.held = False  # paused because the consumer fell behind
+
+    @property
+    def buffered(self) -> int:
+        """Outputs delivered to this stream and not read yet."""
+        return self._queue.qsize()
 
     def _put(self, item: RequestOutput | BaseException) -> None:
-        if not self.cancelled:
-            self._queue.put_nowait(item)
+        if self.cancelled:
+            return
+        self._queue.put_nowait(item)
+        limit = self._owner.stream_buffer
+        if not self.held and limit is not None and self._queue.qsize() >= limit:
+            self.held = True
+            self._owner._hold(self, True)
 
     def __aiter__(self) -> RequestStream:
         return self
@@ -106,6 +129,11 @@ class RequestStream:
             raise item
         if item.finished:
             self.finished = True
+        elif self.held and self._queue.qsize() <= (self._owner.stream_buffer or 0) // 4:
+            # Hysteresis: a reader a little slower than generation is paused and resumed in long
+            # periods, not every step (each pause costs a recompute of the sequence's last block).
+            self.held = False
+            self._owner._hold(self, False)
         return item
 
     def cancel(self) -> None:
@@ -152,8 +180,11 @@ class AsyncEngine:
     """Serves many concurrent asyncio consumers from one engine stepped by a background thread.
 
     ``llm_or_engine`` is an :class:`~cbgen.llm.LLM` (its engine and tokenizer are used) or an
-    :class:`~cbgen.engine.Engine`.  ``max_concurrent_requests`` bounds the requests in flight
-    (None: unbounded); past it, submissions raise :class:`QueueFullError`.
+    :class:`~cbgen.engine.Engine`.  ``max_concurrent_requests`` bounds the requests in flight and
+    ``max_inflight_work`` their token slots (None: unbounded); ``client_share`` is the fraction of
+    each bound one client may hold; past them, submissions raise :class:`QueueFullError`.
+    ``stream_buffer`` outputs wait in a stream before its request is paused (None: never paused).
+    ``fairness`` (None: first come, first served) is the scheduler's policy between requests.
     """
 
     def __init__(
@@ -161,17 +192,26 @@ class AsyncEngine:
         llm_or_engine: Any,
         max_concurrent_requests: int | None = None,
         tokenizer: Any = None,
+        *,
+        max_inflight_work: int | None = None,
+        client_share: float | None = None,
+        stream_buffer: int | None = 64,
+        fairness: Fairness | None = None,
     ) -> None:
         engine = (
             llm_or_engine if isinstance(llm_or_engine, Engine) else getattr(llm_or_engine, "engine", None)
         )
         if not isinstance(engine, Engine):
             raise TypeError(f"AsyncEngine needs an LLM or an Engine, got {type(llm_or_engine).__name__}")
-        if max_concurrent_requests is not None and max_concurrent_requests < 1:
-            raise ValueError(f"max_concurrent_requests must be >= 1 or None, got {max_concurrent_requests!r}")
+        if stream_buffer is not None and stream_buffer < 1:
+            raise ValueError(f"stream_buffer must be >= 1 or None, got {stream_buffer!r}")
+        self.admission = Admission(max_concurrent_requests, max_inflight_work, client_share)  # under _cond
         self.engine = engine
         self.tokenizer = tokenizer or getattr(llm_or_engine, "tokenizer", None) or engine.tokenizer
         self.max_concurrent_requests = max_concurrent_requests
+        self.stream_buffer = stream_buffer
+        if fairness is not None:
+            engine.scheduler.fairness = fairness
 
         self._cond = threading.Condition()
         self._commands: deque[tuple] = deque()
@@ -200,17 +240,28 @@ class AsyncEngine:
             return list(self.tokenizer.encode(prompt, add_special_tokens=True)), prompt
         return as_token_ids(prompt), None
 
+    def work_of(self, num_prompt_tokens: int, params: SamplingParams) -> int:
+        """Token slots a request holds while in flight: ``n x (prompt + max_tokens)``."""
+        max_tokens = params.max_tokens
+        if max_tokens is None:
+            max_tokens = self.engine.max_model_len - num_prompt_tokens
+        return params.n * (num_prompt_tokens + max_tokens)
+
     def add_request(
         self,
         prompt: str | Sequence[int],
         params: SamplingParams,
         request_id: str | None = None,
+        *,
+        client: str | None = None,
+        job: str | None = None,
     ) -> RequestStream:
         """Validates and queues one request; returns its :class:`RequestStream`.
 
-        Must be called from a running asyncio loop (the stream delivers to it).  Raises
-        ``ValueError`` for bad input, :class:`QueueFullError` past the concurrency bound and
-        :class:`EngineShutdownError` once shutdown started; nothing is queued in those cases.
+        ``client`` names who sent it (for ``client_share``); ``job`` puts it in a fairness job
+        (default: its own).  Must be called from a running asyncio loop (the stream delivers to it).
+        Raises ``ValueError`` for bad input or work no bound could ever admit, :class:`QueueFullError`
+        past a bound and :class:`EngineShutdownError` once shutdown started; nothing is queued then.
         """
         loop = asyncio.get_running_loop()
         ids, text = self._encode(prompt)
@@ -222,17 +273,17 @@ class AsyncEngine:
         rid = request_id or f"areq-{uuid.uuid4().hex}"
         stream = RequestStream(rid, self, loop)
         stream.n = params.n
+        stream.work = self.work_of(len(ids), params)
+        stream.client = client
         with self._cond:
             if not self._accepting or not self._thread.is_alive():
                 raise EngineShutdownError("the engine is shutting down and accepts no new requests")
             if rid in self._active:
                 raise ValueError(f"request id {rid!r} is already in use")
-            if self.max_concurrent_requests is not None and len(self._active) >= self.max_concurrent_requests:
-                raise QueueFullError(
-                    f"too many requests in flight ({len(self._active)} >= {self.max_concurrent_requests}); retry later"
-                )
+            self.admission.check(stream.work, client)
             self._active[rid] = stream
-            self._commands.append(("add", stream, ids, params, text))
+            self.admission.add(stream.work, client)
+            self._commands.append(("add", stream, ids, params, text, job or rid))
             self._cond.notify_all()
         return stream
 
@@ -265,10 +316,21 @@ class AsyncEngine:
 
     def _cancel_stream(self, stream: RequestStream) -> None:
         with self._cond:
-            if self._active.get(stream.request_id) is stream:
-                del self._active[stream.request_id]
+            self._forget(stream)
             self._commands.append(("abort", stream.request_id))
             self._cond.notify_all()
+
+    def _hold(self, stream: RequestStream, hold: bool) -> None:
+        with self._cond:
+            self._commands.append(("hold" if hold else "release", stream.request_id))
+            self._cond.notify_all()
+
+    def _forget(self, stream: RequestStream) -> None:
+        """Releases the stream's slot and work if it still holds them (caller holds ``_cond``)."""
+        if self._active.get(stream.request_id) is not stream:
+            return
+        del self._active[stream.request_id]
+        self.admission.remove(stream.work, stream.client)
 
     # ------------------------------------------------------------------ control
     def pause(self) -> _Pause:
@@ -330,9 +392,9 @@ class AsyncEngine:
         """The latest snapshot (refreshed by the engine thread after every iteration)."""
         with self._cond:
             stats = self._stats
-            in_flight = len(self._active)
+            in_flight, work = len(self._active), self.admission.work
         alive = self._thread.is_alive()
-        return dataclasses.replace(stats, in_flight=in_flight, alive=alive)
+        return dataclasses.replace(stats, in_flight=in_flight, inflight_work=work, alive=alive)
 
     # ------------------------------------------------------------------ engine thread
     def _next_commands(self) -> list[tuple] | None:
@@ -352,7 +414,11 @@ class AsyncEngine:
                     self._commands.clear()
                     return commands
                 if self.engine.has_unfinished():
-                    return []
+                    if self._stopping:
+                        # Paused requests run to their end too, so a shutdown never waits forever.
+                        self.engine.scheduler.paused.clear()
+                    if self.engine.in_flight is not None or self.engine.scheduler.has_runnable_work():
+                        return []  # else every request left is paused: wait for a command
                 if self._stopping:
                     return None
                 self._cond.wait()
@@ -389,18 +455,23 @@ class AsyncEngine:
     def _apply(self, command: tuple, deliveries: list) -> None:
         kind = command[0]
         if kind == "add":
-            _, stream, ids, params, text = command
+            _, stream, ids, params, text, job = command
             if stream.cancelled:
                 return  # given up before it started: never touch the engine
             try:
                 self.engine.add_request(ids, params, request_id=stream.request_id, prompt=text, stream=True)
             except Exception as exc:
                 with self._cond:
-                    if self._active.get(stream.request_id) is stream:
-                        del self._active[stream.request_id]
+                    self._forget(stream)
                 deliveries.append((stream, exc if isinstance(exc, ValueError) else RuntimeError(str(exc))))
                 return
             self._by_rid[stream.request_id] = stream
+            self.engine.scheduler.set_job(stream.request_id, job)
+        elif kind in ("hold", "release"):
+            rid = command[1]
+            if rid in self._by_rid and not self._stopping:  # else it ended (and was released) already
+                sched = self.engine.scheduler
+                sched.pause(rid) if kind == "hold" else sched.resume(rid)
         else:
             rid = command[1]
             try:
@@ -417,9 +488,9 @@ class AsyncEngine:
             return
         if out.finished:
             del self._by_rid[out.request_id]
+            self.engine.scheduler.release(out.request_id)
             with self._cond:
-                if self._active.get(out.request_id) is stream:
-                    del self._active[out.request_id]
+                self._forget(stream)
         if not stream.cancelled:
             deliveries.append((stream, out))
 
@@ -461,6 +532,7 @@ class AsyncEngine:
             num_free_blocks=int(bm.num_free_blocks),
             num_used_blocks=int(bm.num_used_blocks),
             step_errors=self._step_errors,
+            streams_paused=len(engine.scheduler.paused),
         )
         with self._cond:
             self._stats = stats
@@ -469,7 +541,8 @@ class AsyncEngine:
         with self._cond:
             self._accepting = False
             streams = list(self._active.values())
-            self._active.clear()
+            for stream in streams:
+                self._forget(stream)
         error = EngineShutdownError(f"the engine thread crashed: {exc!r}")
         self._deliver([(s, error) for s in streams])
 

@@ -8,20 +8,14 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
-import re
 import signal
-import socket
 import statistics
-import subprocess
-import sys
-import threading
 import time
-from pathlib import Path
 
 import httpx
 import openai
 import pytest
+from serverproc import HealthProbe, ServerProcess, metrics, wait_idle
 
 pytestmark = pytest.mark.slow
 
@@ -30,87 +24,21 @@ API_KEY = "s3cret-key"
 MAX_BODY = 64 * 1024
 MAX_PROMPT = 256
 MAX_LOGPROBS = 5
-STARTUP_TIMEOUT = 180.0
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class ServerProcess:
-    """A ``cbgen serve`` subprocess; ``ensure_running()`` (re)starts it if it is not up."""
-
-    def __init__(self, model_path: Path, log_dir: Path, name: str, extra: list[str]) -> None:
-        self.model_path = model_path
-        self.log_path = log_dir / f"{name}.log"
-        self.extra = extra
-        self.proc: subprocess.Popen | None = None
-        self.url = ""
-
-    def ensure_running(self) -> ServerProcess:
-        if self.proc is not None and self.proc.poll() is None:
-            return self
-        port = _free_port()
-        self.url = f"http://127.0.0.1:{port}"
-        cmd = [
-            sys.executable, "-m", "cbgen.cli", "serve",
-            "--model", str(self.model_path),
-            "--port", str(port),
-            "--num-blocks", "512",
-            "--max-prompt-tokens", str(MAX_PROMPT),
-            "--max-tokens-limit", "512",
-            "--max-n", "4",
-            "--max-body-bytes", str(MAX_BODY),
-            "--max-concurrent-requests", "200",
-            "--max-logprobs", str(MAX_LOGPROBS),
-            "--log-level", "warning",
-            *self.extra,
-        ]  # fmt: skip
-        env = {**os.environ, "OMP_NUM_THREADS": "2", "PYTHONUNBUFFERED": "1"}
-        env.pop("CBGEN_API_KEY", None)
-        log = open(self.log_path, "ab")  # noqa: SIM115 - handed to the child for its whole life
-        self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
-        log.close()
-        deadline = time.monotonic() + STARTUP_TIMEOUT
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log_tail()}")
-            try:
-                if httpx.get(self.url + "/health", timeout=1.0).status_code == 200:
-                    return self
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.25)
-        self.stop()
-        raise RuntimeError(f"server did not become healthy in {STARTUP_TIMEOUT}s:\n{self.log_tail()}")
-
-    def log_tail(self, n: int = 40) -> str:
-        try:
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
-        except OSError:
-            return "(no log)"
-
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(10)
-
-
-@pytest.fixture(scope="module")
-def model_path(request) -> Path:
-    try:
-        return request.getfixturevalue("smollm2_path")
-    except pytest.FixtureLookupError:
-        from cbgen.model.loader import ensure_default_model
-
-        return ensure_default_model()
+E2E_ARGS = [
+    "--num-blocks", "512",
+    "--max-prompt-tokens", str(MAX_PROMPT),
+    "--max-tokens-limit", "512",
+    "--max-n", "4",
+    "--max-body-bytes", str(MAX_BODY),
+    "--max-concurrent-requests", "200",
+    "--max-logprobs", str(MAX_LOGPROBS),
+    "--log-level", "warning",
+]  # fmt: skip
 
 
 @pytest.fixture(scope="module")
 def server(model_path, tmp_path_factory):
-    proc = ServerProcess(model_path, tmp_path_factory.mktemp("server"), "main", [])
+    proc = ServerProcess(model_path, tmp_path_factory.mktemp("server"), "main", E2E_ARGS)
     proc.ensure_running()
     yield proc
     proc.stop()
@@ -118,7 +46,9 @@ def server(model_path, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def auth_server(model_path, tmp_path_factory):
-    proc = ServerProcess(model_path, tmp_path_factory.mktemp("auth"), "auth", ["--api-key", API_KEY])
+    proc = ServerProcess(
+        model_path, tmp_path_factory.mktemp("auth"), "auth", [*E2E_ARGS, "--api-key", API_KEY]
+    )
     yield proc
     proc.stop()
 
@@ -126,38 +56,6 @@ def auth_server(model_path, tmp_path_factory):
 @pytest.fixture
 def client(server) -> openai.OpenAI:
     return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
-
-
-def _metrics(url: str) -> dict[str, float]:
-    text = httpx.get(url + "/metrics", timeout=10).text
-    out: dict[str, float] = {}
-    for line in text.splitlines():
-        if line.startswith("#") or not line.strip():
-            continue
-        key, value = line.rsplit(" ", 1)
-        name = key.split("{", 1)[0]
-        labels = key[len(name) :]
-        reason = re.search(r'finished_reason="(\w+)"', labels)
-        out[name + (f":{reason.group(1)}" if reason else "")] = float(value)
-    return out
-
-
-def _wait_idle(url: str, timeout: float) -> dict[str, float]:
-    """Polls /metrics until no sequence runs or waits and every KV block is free."""
-    deadline = time.monotonic() + timeout
-    while True:
-        m = _metrics(url)
-        idle = (
-            m["cbgen_num_requests_running"] == 0
-            and m["cbgen_num_requests_waiting"] == 0
-            and m["cbgen_num_requests_in_flight"] == 0
-            and m["cbgen_num_free_blocks"] == m["cbgen_num_blocks"]
-        )
-        if idle:
-            return m
-        if time.monotonic() > deadline:
-            raise AssertionError(f"server not idle after {timeout}s: {m}")
-        time.sleep(0.05)
 
 
 # ---------------------------------------------------------------------------------------------- (1) openai client
@@ -301,7 +199,7 @@ def test_stop_strings_and_vllm_extras(client):
 
 # ---------------------------------------------------------------------------------------------- (2) disconnects
 def test_disconnect_mid_stream_aborts_request(server, client):
-    _wait_idle(server.url, 10)
+    wait_idle(server.url, 10)
     body = {
         "model": MODEL,
         "prompt": "Count to a thousand:",
@@ -318,27 +216,27 @@ def test_disconnect_mid_stream_aborts_request(server, client):
         events = r.iter_lines()
         lines = [next(events) for _ in range(6)]
         assert any(line.startswith("data: {") for line in lines)
-        assert _metrics(server.url)["cbgen_num_requests_running"] == 1
+        assert metrics(server.url)["cbgen_num_requests_running"] == 1
     # The connection is closed now: the request must be aborted and its blocks freed within 2 s.
     before = time.monotonic()
-    _wait_idle(server.url, 2.0)
+    wait_idle(server.url, 2.0)
     print(f"\nstream disconnect -> idle in {time.monotonic() - before:.3f}s")
     r = client.completions.create(model=MODEL, prompt="Hello", max_tokens=3, extra_body={"ignore_eos": True})
     assert r.usage.completion_tokens == 3
 
 
 def test_disconnect_while_waiting_for_non_streaming_response(server):
-    _wait_idle(server.url, 10)
+    wait_idle(server.url, 10)
     body = {"model": MODEL, "prompt": "Write a long essay:", "max_tokens": 500, "ignore_eos": True}
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(server.url + "/v1/completions", json=body, timeout=httpx.Timeout(10, read=1.0))
-    _wait_idle(server.url, 2.0)
+    wait_idle(server.url, 2.0)
 
 
 # ---------------------------------------------------------------------------------------------- (3) load
 def test_load_64_concurrent_streaming_clients(server):
     clients, per_client, max_tokens = 64, 4, 16
-    before = _metrics(server.url)
+    before = metrics(server.url)
     aclient = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
     ttfts: list[float] = []
     results: list[tuple[str, int, int, str | None]] = []
@@ -379,24 +277,10 @@ def test_load_64_concurrent_streaming_clients(server):
         return time.perf_counter() - start
 
     # The event loop must stay responsive while the engine thread steps: probe /health meanwhile.
-    probe_latencies: list[float] = []
-    stop_probe = threading.Event()
-
-    def probe() -> None:
-        with httpx.Client(timeout=30) as http:
-            while not stop_probe.is_set():
-                t0 = time.perf_counter()
-                assert http.get(server.url + "/health").status_code == 200
-                probe_latencies.append(time.perf_counter() - t0)
-                time.sleep(0.1)
-
-    prober = threading.Thread(target=probe, daemon=True)
-    prober.start()
-    try:
+    with HealthProbe(server.url, interval=0.1, keep_alive=True) as probe:
         wall = asyncio.run(main())
-    finally:
-        stop_probe.set()
-        prober.join(30)
+    assert not probe.failures, probe.failures[:3]
+    probe_latencies = probe.latencies
     total = clients * per_client
     assert len(results) == total
     assert len({r[0] for r in results}) == total, "duplicated response ids"
@@ -412,7 +296,7 @@ def test_load_64_concurrent_streaming_clients(server):
         f"max {max(probe_latencies) * 1000:.0f} ms over {len(probe_latencies)} probes"
     )
     assert probe_latencies and max(probe_latencies) < 10.0
-    after = _wait_idle(server.url, 10)
+    after = wait_idle(server.url, 10)
     assert after["cbgen_generation_tokens_total"] - before["cbgen_generation_tokens_total"] == tokens
     assert (
         after["cbgen_request_success_total:length"] - before.get("cbgen_request_success_total:length", 0)
@@ -513,7 +397,7 @@ def test_server_still_healthy_after_bad_input(server, client):
         model=MODEL, prompt="Good input", max_tokens=3, extra_body={"ignore_eos": True}
     )
     assert r.usage.completion_tokens == 3
-    _wait_idle(server.url, 5)
+    wait_idle(server.url, 5)
     assert server.proc.poll() is None
 
 

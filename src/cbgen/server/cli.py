@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import signal
 from collections.abc import Callable
 from pathlib import Path
@@ -12,6 +13,14 @@ import uvicorn
 
 from cbgen import envs
 from cbgen.async_engine import AsyncEngine
+from cbgen.core.scheduler import Fairness
+from cbgen.server.connections import (
+    ConnectionGuard,
+    ConnectionLimits,
+    guarded_protocol,
+    quiet_accept_errors,
+    raise_fd_limit,
+)
 from cbgen.server.routes import build_app
 from cbgen.server.state import ServerLimits
 from cbgen.utils import get_logger
@@ -21,8 +30,17 @@ logger = get_logger("cbgen.server")
 DEFAULT_SERVED_NAME = "SmolLM2-135M-Instruct"
 
 
+def _share(text: str) -> float | None:
+    return None if text.lower() in ("none", "off") else float(text)
+
+
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="cbgen serve", description="OpenAI-compatible HTTP server.")
+    p = argparse.ArgumentParser(
+        prog="cbgen serve",
+        description="OpenAI-compatible HTTP server. Limits and their defaults: docs/server.md.",
+        epilog="The API key is best given as the CBGEN_API_KEY environment variable: --api-key is "
+        "visible to every user of the machine in the process list.",
+    )
     p.add_argument("--model", default=None, help="HF folder or .gguf file (default: SmolLM2-135M-Instruct)")
     p.add_argument(
         "--served-model-name",
@@ -53,8 +71,18 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--max-logprobs", type=int, default=20)
     p.add_argument("--max-prompts-per-request", type=int, default=32)
+    _admission_flags(p)
+    _connection_flags(p)
     p.add_argument(
-        "--api-key", default=None, help="require 'Authorization: Bearer KEY' (or set CBGEN_API_KEY)"
+        "--allow-special-tokens-in-content",
+        action="store_true",
+        help="parse special-token text in chat messages as control tokens (default: kept literal)",
+    )
+    p.add_argument(
+        "--api-key",
+        default=None,
+        help="require 'Authorization: Bearer KEY' on /v1; prefer CBGEN_API_KEY=KEY in the environment, "
+        "which keeps the key out of the process list",
     )
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     p.add_argument(
@@ -64,6 +92,73 @@ def _parser() -> argparse.ArgumentParser:
         help="seconds to wait for open connections after SIGTERM",
     )
     return p
+
+
+def _admission_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--max-request-work",
+        type=int,
+        default=None,
+        help="token slots one request may need: n x (prompt + max_tokens), summed over its prompts "
+        "(default: --max-n x the context)",
+    )
+    p.add_argument(
+        "--max-inflight-work",
+        type=int,
+        default=None,
+        help="token slots of all requests in flight before new ones get 429 (default: 32 x --max-request-work)",
+    )
+    p.add_argument(
+        "--client-share",
+        type=_share,
+        default=0.5,
+        help="fraction of the in-flight requests and token slots one client address may hold ('none': no cap)",
+    )
+    p.add_argument(
+        "--max-response-bytes",
+        type=int,
+        default=64 << 20,
+        help="largest estimated non-streamed response; larger requests must stream",
+    )
+    p.add_argument(
+        "--stream-buffer",
+        type=int,
+        default=64,
+        help="outputs a stream holds for a client that does not read before its request is paused",
+    )
+    p.add_argument("--scheduling", choices=["fair", "fcfs"], default="fair", help="policy between requests")
+    p.add_argument(
+        "--fair-quantum", type=int, default=512, help="tokens a request computes before it counts as old work"
+    )
+    p.add_argument(
+        "--fair-old-share",
+        type=_share,
+        default=0.25,
+        help="old work per token of young work in a step ('none': no cap; raise it on GPUs)",
+    )
+
+
+def _connection_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--max-connections", type=int, default=4096, help="open connections (idle ones are evicted first)"
+    )
+    p.add_argument("--header-timeout", type=float, default=10.0, help="seconds to complete a request head")
+    p.add_argument("--body-timeout", type=float, default=30.0, help="seconds to receive a request body")
+    p.add_argument(
+        "--keep-alive-timeout", type=int, default=5, help="seconds an idle keep-alive connection stays"
+    )
+    p.add_argument(
+        "--write-timeout",
+        type=float,
+        default=30.0,
+        help="seconds a response may wait for a client that does not read before it is aborted",
+    )
+    p.add_argument(
+        "--write-buffer-bytes",
+        type=int,
+        default=256 * 1024,
+        help="kernel send buffer per connection (a client that stops reading is noticed after this much)",
+    )
 
 
 def _served_name(model: str | None, explicit: str | None) -> str:
@@ -91,15 +186,43 @@ def _load(args: argparse.Namespace) -> tuple[Any, AsyncEngine]:
         num_blocks=args.num_blocks,
         **engine_kwargs,
     )
-    return llm, AsyncEngine.from_llm(llm, max_concurrent_requests=args.max_concurrent_requests)
+    max_model_len = int(llm.engine.max_model_len)
+    request_work = args.max_request_work or args.max_n * max_model_len
+    args.max_request_work = request_work
+    fairness = None
+    if args.scheduling == "fair":
+        fairness = Fairness(quantum=args.fair_quantum, old_share=args.fair_old_share)
+    engine = AsyncEngine.from_llm(
+        llm,
+        max_concurrent_requests=args.max_concurrent_requests,
+        max_inflight_work=args.max_inflight_work or 32 * request_work,
+        client_share=args.client_share,
+        stream_buffer=args.stream_buffer,
+        fairness=fairness,
+    )
+    return llm, engine
 
 
 def main(argv: list[str] | None = None) -> None:
     """``cbgen serve``: loads the model and serves it until SIGINT/SIGTERM (exit code 0 on SIGTERM)."""
     args = _parser().parse_args(argv)
-    for name in ("max_n", "max_body_bytes", "max_concurrent_requests", "max_prompts_per_request"):
+    for name in (
+        "max_n",
+        "max_body_bytes",
+        "max_concurrent_requests",
+        "max_prompts_per_request",
+        "max_connections",
+        "stream_buffer",
+        "max_response_bytes",
+    ):
         if getattr(args, name) < 1:
             raise SystemExit(f"--{name.replace('_', '-')} must be >= 1")
+    connections = ConnectionLimits(
+        max_connections=raise_fd_limit(args.max_connections),
+        header_timeout=args.header_timeout,
+        write_timeout=args.write_timeout,
+        write_buffer=args.write_buffer_bytes,
+    )
     # cbgen's package logger already has a stderr handler; basicConfig would print every record twice.
     get_logger("cbgen").setLevel(args.log_level.upper())
     api_key = args.api_key or envs.get("CBGEN_API_KEY") or None
@@ -111,9 +234,15 @@ def main(argv: list[str] | None = None) -> None:
         max_body_bytes=args.max_body_bytes,
         max_logprobs=args.max_logprobs,
         max_prompts_per_request=args.max_prompts_per_request,
+        max_request_work=args.max_request_work,
+        max_response_bytes=args.max_response_bytes,
+        body_timeout=args.body_timeout,
+        write_timeout=args.write_timeout,
+        allow_special_tokens=args.allow_special_tokens_in_content,
         api_key=api_key,
     )
     app = build_app(async_engine, llm.tokenizer, _served_name(args.model, args.served_model_name), limits)
+    guard = ConnectionGuard(connections)
     config = uvicorn.Config(
         app,
         host=args.host,
@@ -121,8 +250,12 @@ def main(argv: list[str] | None = None) -> None:
         log_level=args.log_level,
         lifespan="on",
         timeout_graceful_shutdown=args.graceful_shutdown_timeout,
+        http=guarded_protocol(guard),
+        timeout_keep_alive=args.keep_alive_timeout,
+        backlog=4096,  # a burst of connections waits in the kernel instead of being dropped (SYN retry: 1 s)
     )
-    server = _GracefulServer(config, async_engine.start_shutdown)
+    app.state.cbgen.metrics.watch_connections(guard)
+    server = _GracefulServer(config, async_engine.start_shutdown, guard)
     # uvicorn re-raises the signal it shut down for once it restored the previous handler; a no-op
     # previous handler turns a SIGTERM-initiated graceful shutdown into a normal exit with code 0.
     previous = signal.signal(signal.SIGTERM, _note_sigterm)
@@ -142,13 +275,26 @@ class _GracefulServer(uvicorn.Server):
 
     uvicorn waits for open connections before it runs the lifespan shutdown, and a stream keeps its
     connection open until its generation ends; aborting first lets every stream finish promptly with
-    a final chunk and ``[DONE]``.
+    a final chunk and ``[DONE]``.  The listener stays open until the requests in flight have ended
+    (at most the graceful timeout), so meanwhile ``/health`` answers 503 instead of refusing.
     """
 
-    def __init__(self, config: uvicorn.Config, on_shutdown: Callable[[], None]) -> None:
+    def __init__(
+        self, config: uvicorn.Config, on_shutdown: Callable[[], None], guard: ConnectionGuard
+    ) -> None:
         super().__init__(config)
         self._on_shutdown = on_shutdown
+        self._guard = guard
+
+    async def startup(self, sockets: Any = None) -> None:
+        """uvicorn's startup, with the accept loop's resource errors counted instead of logged."""
+        quiet_accept_errors(asyncio.get_running_loop(), self._guard)
+        await super().startup(sockets)
 
     async def shutdown(self, sockets: Any = None) -> None:
+        """Aborts generations, waits (listening) for the requests in flight, then shuts uvicorn down."""
         self._on_shutdown()
+        in_flight = set(self.server_state.tasks)
+        if in_flight:
+            await asyncio.wait(in_flight, timeout=self.config.timeout_graceful_shutdown)
         await super().shutdown(sockets)

@@ -2,8 +2,9 @@
 
 Errors always use OpenAI's body ``{"error": {"message", "type", "param", "code"}}``: 400 for any
 invalid request (bad JSON or UTF-8, schema violations, limits), 401 for a missing or wrong API key,
-404 for an unknown model or path, 413 for a body over ``--max-body-bytes``, 429 when
-``--max-concurrent-requests`` are in flight, 503 while shutting down.  Bad input never yields a 500.
+404 for an unknown model or path, 408 for a body that does not arrive within ``--body-timeout``, 413
+for a body over ``--max-body-bytes``, 429 when a bound on what is in flight (requests, token slots,
+a client's share) is reached, 503 while shutting down.  Bad input never yields a 500.
 """
 
 from __future__ import annotations
@@ -21,6 +22,15 @@ from starlette.responses import JSONResponse, Response
 from cbgen.utils import get_logger
 
 logger = get_logger("cbgen.server")
+
+# The methods of each path (OPTIONS answers, and the Allow header of a 405).
+ALLOWED_METHODS = {
+    "/health": "GET, HEAD, OPTIONS",
+    "/metrics": "GET, HEAD, OPTIONS",
+    "/v1/models": "GET, HEAD, OPTIONS",
+    "/v1/completions": "POST, OPTIONS",
+    "/v1/chat/completions": "POST, OPTIONS",
+}
 
 
 class APIError(Exception):
@@ -86,7 +96,12 @@ async def _request_validation(request: Request, exc: RequestValidationError) -> 
 
 async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
     code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
-    return APIError(exc.status_code, str(exc.detail), param=None, code=code).response()
+    response = APIError(exc.status_code, str(exc.detail), param=None, code=code).response()
+    response.headers.update(exc.headers or {})
+    if exc.status_code == 405 and request.url.path in ALLOWED_METHODS:
+        # Starlette names the methods of the one route it matched; a path here has two.
+        response.headers["Allow"] = ALLOWED_METHODS[request.url.path]
+    return response
 
 
 async def _client_gone(request: Request, exc: ClientDisconnect) -> Response:

@@ -30,6 +30,11 @@ def _dumps(obj: Any) -> str:
     return json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
 
 
+# A non-streamed body with more tokens than this is rendered on a worker thread: JSON for tens of
+# thousands of tokens (with logprobs, megabytes) would otherwise stall the event loop.
+_OFFLOAD_TOKENS = 4096
+
+
 def _usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
     return {
         "prompt_tokens": prompt_tokens,
@@ -216,6 +221,10 @@ class GenerationJob:
             "stop_reason": ch.stop_reason,
         }
 
+    def final_json(self) -> bytes:
+        """:meth:`final_body` as the bytes of a JSON response."""
+        return _dumps(self.final_body()).encode("utf-8")
+
     def final_body(self) -> dict[str, Any]:
         """The non-streaming response body, once :meth:`collect` has finished."""
         return {
@@ -231,7 +240,7 @@ class GenerationJob:
 async def respond(job: GenerationJob, request: Request, stream: bool) -> Response:
     """The job's HTTP response: SSE, or the whole body once done (499 if the client left first)."""
     if stream:
-        return SSEResponse(job.sse(), job.streams)
+        return SSEResponse(job.sse(), job.streams, job.state.limits.write_timeout)
     consume = asyncio.ensure_future(job.collect())
     watch = asyncio.ensure_future(wait_disconnect(request.receive))
     try:
@@ -251,14 +260,17 @@ async def respond(job: GenerationJob, request: Request, stream: bool) -> Respons
         raise APIError(500, f"generation failed: {exc}", "server_error")
     if job.error is not None:
         raise APIError(500, job.error, "server_error")
+    if job.completion_tokens > _OFFLOAD_TOKENS:
+        return Response(await job.state.off_loop(job.final_json), media_type="application/json")
     return JSONResponse(job.final_body())
 
 
 async def run_plan(state: ServerState, plan: GenerationPlan, request: Request, arrival: float) -> Response:
-    """Submits the plan's prompts to the engine and answers with what they generate."""
-    streams = state.submit(
-        plan.prompts, plan.params, ("chatcmpl-" if plan.chat else "cmpl-") + uuid.uuid4().hex
-    )
+    """Submits the plan's prompts to the engine (as ``request``'s client) and answers with what they
+    generate."""
+    base_id = ("chatcmpl-" if plan.chat else "cmpl-") + uuid.uuid4().hex
+    client = request.client.host if request.client is not None else None
+    streams = state.submit(plan.prompts, plan.params, base_id, client)
     job_class = GenerationJob
     if plan.tools is not None and plan.tools.parse:  # tool calls in the output (cbgen.server.tool_job)
         from cbgen.server.tool_job import ToolCallJob

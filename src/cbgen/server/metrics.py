@@ -15,6 +15,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from cbgen.async_engine import AsyncEngine
+from cbgen.server.connections import ConnectionGuard
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -93,10 +94,41 @@ class _EngineCollector(Collector):
             s.prefix_cache_hit_rate,
         )
         yield gauge("cbgen_engine_paused", "1 while the engine loop is paused.", float(s.paused))
+        yield gauge(
+            "cbgen_num_requests_paused",
+            "Requests paused because their client stopped reading.",
+            s.streams_paused,
+        )
+        yield gauge(
+            "cbgen_inflight_work_tokens",
+            "Token slots (n x (prompt + max_tokens)) of the requests in flight.",
+            s.inflight_work,
+        )
         yield counter("cbgen_prompt_tokens", "Prompt tokens of admitted requests.", s.prompt_tokens)
         yield counter("cbgen_generation_tokens", "Generated tokens.", s.generated_tokens)
         yield counter("cbgen_num_preemptions", "Sequences preempted for lack of KV blocks.", s.preemptions)
         yield counter("cbgen_engine_step_errors", "Engine steps that raised.", s.step_errors)
+
+
+class _ConnectionCollector(Collector):
+    """Open connections and what the connection guard refused, evicted or timed out."""
+
+    def __init__(self, guard: ConnectionGuard, model_name: str) -> None:
+        self._guard = guard
+        self._model = model_name
+
+    def collect(self) -> Iterator[Metric]:
+        g = GaugeMetricFamily("cbgen_open_connections", "Open HTTP connections.", labels=["model_name"])
+        g.add_metric([self._model], self._guard.open)
+        yield g
+        c = CounterMetricFamily(
+            "cbgen_connection_events",
+            "Connections refused or evicted at the cap, and closed by a header or write timeout.",
+            labels=["model_name", "event"],
+        )
+        for event, count in sorted(self._guard.counts.items()):
+            c.add_metric([self._model, event], count)
+        yield c
 
 
 class ServerMetrics:
@@ -133,6 +165,10 @@ class ServerMetrics:
             buckets=_LATENCY_BUCKETS,
             registry=self.registry,
         )
+
+    def watch_connections(self, guard: ConnectionGuard) -> None:
+        """Exports the connection guard's gauge and counters too."""
+        self.registry.register(_ConnectionCollector(guard, self.model_name))
 
     def observe_finish(self, reason: str) -> None:
         """Counts one finished choice."""

@@ -14,12 +14,11 @@ from starlette.responses import JSONResponse, Response
 
 from cbgen.async_engine import AsyncEngine
 from cbgen.server.auth import APIKeyMiddleware
-from cbgen.server.errors import install_error_handlers
+from cbgen.server.errors import ALLOWED_METHODS, install_error_handlers
 from cbgen.server.job import run_plan
 from cbgen.server.metrics import CONTENT_TYPE
-from cbgen.server.schemas import ChatCompletionRequest, CompletionRequest
-from cbgen.server.state import ServerLimits, ServerState
-from cbgen.server.translate import parse_body, plan_chat, plan_completion, read_json
+from cbgen.server.state import OFFLOAD_BYTES, ServerLimits, ServerState
+from cbgen.server.translate import GenerationPlan, plan_request, read_body
 
 # Handlers are module-level and find their app's state on the request, so one router serves any app.
 router = APIRouter()
@@ -29,7 +28,7 @@ def _state(request: Request) -> ServerState:
     return request.app.state.cbgen
 
 
-@router.get("/health")
+@router.api_route("/health", methods=["GET", "HEAD"])
 async def health(request: Request) -> Response:
     """200 while the engine runs, 503 once it has stopped or is shutting down."""
     if _state(request).engine.is_running:
@@ -37,13 +36,13 @@ async def health(request: Request) -> Response:
     return JSONResponse({"status": "unavailable"}, status_code=503)
 
 
-@router.get("/metrics")
+@router.api_route("/metrics", methods=["GET", "HEAD"])
 async def metrics(request: Request) -> Response:
     """Prometheus metrics."""
     return Response(_state(request).metrics.render(), media_type=CONTENT_TYPE)
 
 
-@router.get("/v1/models")
+@router.api_route("/v1/models", methods=["GET", "HEAD"])
 async def models(request: Request) -> JSONResponse:
     """The one model this server serves."""
     state = _state(request)
@@ -57,13 +56,28 @@ async def models(request: Request) -> JSONResponse:
     return JSONResponse({"object": "list", "data": [model]})
 
 
+async def _options(request: Request) -> Response:
+    """The methods a path allows (no CORS: browsers' cross-origin requests are not served)."""
+    return Response(status_code=204, headers={"Allow": ALLOWED_METHODS[request.url.path]})
+
+
+for _path in ALLOWED_METHODS:
+    router.add_api_route(_path, _options, methods=["OPTIONS"], include_in_schema=False)
+
+
+async def _plan(request: Request, state: ServerState, chat: bool) -> GenerationPlan:
+    raw = await read_body(request, state.limits.max_body_bytes, state.limits.body_timeout)
+    if len(raw) >= OFFLOAD_BYTES:
+        return await state.off_loop(lambda: plan_request(state, chat, raw))
+    return plan_request(state, chat, raw)
+
+
 @router.post("/v1/completions")
 async def completions(request: Request) -> Response:
     """OpenAI text completions, streamed with SSE or answered whole."""
     arrival = time.monotonic()
     state = _state(request)
-    req = parse_body(CompletionRequest, await read_json(request, state.limits.max_body_bytes))
-    return await run_plan(state, plan_completion(state, req), request, arrival)
+    return await run_plan(state, await _plan(request, state, chat=False), request, arrival)
 
 
 @router.post("/v1/chat/completions")
@@ -71,8 +85,7 @@ async def chat_completions(request: Request) -> Response:
     """OpenAI chat completions, streamed with SSE or answered whole."""
     arrival = time.monotonic()
     state = _state(request)
-    req = parse_body(ChatCompletionRequest, await read_json(request, state.limits.max_body_bytes))
-    return await run_plan(state, plan_chat(state, req), request, arrival)
+    return await run_plan(state, await _plan(request, state, chat=True), request, arrival)
 
 
 def build_app(
@@ -89,14 +102,25 @@ def build_app(
     """
     limits = limits or ServerLimits()
 
+    state = ServerState(async_engine, tokenizer, served_model_name, limits)
+
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         yield
+        state.close()
         if shutdown_engine_on_exit:
             await asyncio.to_thread(async_engine.shutdown, True, 30.0)
 
-    app = FastAPI(title="cbgen", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
-    app.state.cbgen = ServerState(async_engine, tokenizer, served_model_name, limits)
+    # No trailing-slash redirects: they answer with an absolute URL built from the Host header.
+    app = FastAPI(
+        title="cbgen",
+        lifespan=lifespan,
+        docs_url=None,
+        redoc_url=None,
+        openapi_url=None,
+        redirect_slashes=False,
+    )
+    app.state.cbgen = state
     install_error_handlers(app)
     app.include_router(router)
     if limits.api_key:

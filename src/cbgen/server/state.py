@@ -2,14 +2,27 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import os
+import sys
+import threading
 import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from cbgen.async_engine import AsyncEngine, EngineShutdownError, QueueFullError, RequestStream
 from cbgen.sampling_params import SamplingParams
 from cbgen.server.errors import APIError, bad_request, sampling_param_of
 from cbgen.server.metrics import ServerMetrics
+
+T = TypeVar("T")
+
+# Bodies at least this large are parsed, tokenised and templated on a worker thread: a megabyte of
+# chat takes about a second, which on the event loop would stall every other connection.
+OFFLOAD_BYTES = 64 * 1024
 
 
 @dataclass
@@ -17,7 +30,13 @@ class ServerLimits:
     """Per-request limits the server enforces before anything reaches the engine (400 past them).
 
     ``None`` for ``max_prompt_tokens`` / ``max_tokens_limit`` means "whatever the model's context
-    allows".  ``api_key`` set: every ``/v1`` path needs ``Authorization: Bearer <key>``.
+    allows", for ``max_request_work`` ``max_n`` x the context.  A request's work is the token slots
+    of all its sequences: n x (prompt + max_tokens), summed over its prompts.  ``max_response_bytes``
+    bounds the estimated size of a non-streamed response.  ``body_timeout`` and ``write_timeout``
+    (seconds) bound how long a request body may take to arrive and a stream's write may wait for a
+    client that does not read.  ``allow_special_tokens``: chat message text is tokenised with its
+    special-token text parsed as control tokens (by default it is kept literal).  ``api_key`` set:
+    every ``/v1`` path needs ``Authorization: Bearer <key>``.
     """
 
     max_prompt_tokens: int | None = None
@@ -29,6 +48,11 @@ class ServerLimits:
     max_stop_sequences: int = 16
     max_stop_length: int = 512
     max_logit_bias: int = 300
+    max_request_work: int | None = None
+    max_response_bytes: int = 64 << 20
+    body_timeout: float = 30.0
+    write_timeout: float = 30.0
+    allow_special_tokens: bool = False
     api_key: str | None = field(default=None, repr=False)
 
 
@@ -54,16 +78,40 @@ class ServerState:
         self.block_size = int(core.block_manager.block_size)
         self.num_blocks = int(core.block_manager.num_blocks)
         self.max_logprobs = min(limits.max_logprobs, int(core.config.max_logprobs))
+        self.max_request_work = limits.max_request_work or limits.max_n * self.max_model_len
+        self.special_tokens = _special_tokens(tokenizer)
         self._token_text: dict[int, str] = {}
+        self._workers: ThreadPoolExecutor | None = None
+
+    async def off_loop(self, fn: Callable[[], T]) -> T:
+        """Runs ``fn`` on one of two worker threads (heavy parsing, templating, rendering)."""
+        if self._workers is None:
+            self._workers = ThreadPoolExecutor(
+                2, thread_name_prefix="cbgen-server", initializer=_lower_priority
+            )
+        return await asyncio.get_running_loop().run_in_executor(self._workers, fn)
+
+    def close(self) -> None:
+        """Stops the worker threads."""
+        if self._workers is not None:
+            self._workers.shutdown(wait=False, cancel_futures=True)
 
     def submit(
-        self, prompts: list[list[int]], params: list[SamplingParams], base_id: str
+        self,
+        prompts: list[list[int]],
+        params: list[SamplingParams],
+        base_id: str,
+        client: str | None = None,
     ) -> list[RequestStream]:
-        """Queues every prompt of one HTTP request, or none of them."""
+        """Queues every prompt of one HTTP request, or none of them; the prompts share one
+        fairness job and count towards ``client``'s share."""
         streams: list[RequestStream] = []
         try:
             for i, (ids, p) in enumerate(zip(prompts, params)):
-                streams.append(self.engine.add_request(ids, p, request_id=f"{base_id}-{i}"))
+                stream = self.engine.add_request(
+                    ids, p, request_id=f"{base_id}-{i}", client=client, job=base_id
+                )
+                streams.append(stream)
         except BaseException as exc:
             for s in streams:
                 s.cancel()
@@ -86,3 +134,22 @@ class ServerState:
                 text = self.tokenizer.decode([token_id], skip_special_tokens=False)
             self._token_text[token_id] = text
         return text
+
+
+def _special_tokens(tokenizer: Any) -> tuple[str, ...]:
+    """The texts the tokenizer turns into special (control) tokens."""
+    if tokenizer is None:
+        return ()
+    texts = set(getattr(tokenizer, "all_special_tokens", None) or ())
+    for token in (getattr(tokenizer, "added_tokens_decoder", None) or {}).values():
+        if getattr(token, "special", False):
+            texts.add(str(token.content))
+    return tuple(sorted((t for t in texts if t), key=len, reverse=True))
+
+
+def _lower_priority() -> None:
+    """Lowers the calling worker thread's CPU priority (Linux: per thread), so that the engine thread
+    wins the cores when a client sends heavy bodies back to back."""
+    if sys.platform == "linux":
+        with contextlib.suppress(OSError):
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)

@@ -6,6 +6,7 @@ never sees a request the server would have refused.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 from dataclasses import dataclass
@@ -41,8 +42,9 @@ def _reject_constant(name: str) -> Any:
     raise ValueError(f"{name} is not valid JSON")
 
 
-async def read_json(request: Request, max_bytes: int) -> dict[str, Any]:
-    """The request body as a JSON object, enforcing the size limit before parsing anything."""
+async def read_body(request: Request, max_bytes: int, timeout: float) -> bytes:
+    """The raw request body, enforcing the size limit before reading and ``timeout`` seconds for all of
+    it to arrive (a client that trickles a body would otherwise hold its connection indefinitely)."""
     length = request.headers.get("content-length")
     if length is not None:
         try:
@@ -56,17 +58,34 @@ async def read_json(request: Request, max_bytes: int) -> dict[str, Any]:
                 code="request_too_large",
             )
     chunks: list[bytes] = []
-    total = 0
-    async for chunk in request.stream():
-        total += len(chunk)
-        # Checked while streaming: a chunked body has no Content-Length to check up front.
-        if total > max_bytes:
-            raise APIError(
-                413, f"request body exceeds the limit of {max_bytes} bytes", code="request_too_large"
-            )
-        chunks.append(chunk)
+
+    async def receive() -> None:
+        total = 0
+        async for chunk in request.stream():
+            total += len(chunk)
+            # Checked while streaming: a chunked body has no Content-Length to check up front.
+            if total > max_bytes:
+                raise APIError(
+                    413, f"request body exceeds the limit of {max_bytes} bytes", code="request_too_large"
+                )
+            chunks.append(chunk)
+
     try:
-        text = b"".join(chunks).decode("utf-8")
+        await asyncio.wait_for(receive(), timeout)
+    except asyncio.TimeoutError:
+        raise APIError(
+            408, f"request body not received within {timeout:g} s", code="request_timeout"
+        ) from None
+    return b"".join(chunks)
+
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def parse_json(raw: bytes) -> dict[str, Any]:
+    """A request body as a JSON object; invalid UTF-8, JSON or Unicode is a 400."""
+    try:
+        text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
         raise bad_request(f"request body is not valid UTF-8: {exc.reason} at byte {exc.start}") from None
     try:
@@ -75,7 +94,31 @@ async def read_json(request: Request, max_bytes: int) -> dict[str, Any]:
         raise bad_request(f"request body is not valid JSON: {exc}") from None
     if not isinstance(obj, dict):
         raise bad_request("request body must be a JSON object")
+    # UTF-8 cannot carry a surrogate, but a JSON escape can: "\ud800" alone decodes to a string no
+    # tokenizer or encoder accepts.  Only bodies with such an escape need the walk.
+    if "\\ud" in text.lower():
+        _reject_lone_surrogates(obj)
     return obj
+
+
+def _reject_lone_surrogates(obj: Any) -> None:
+    stack: list[tuple[str, Any]] = [("", obj)]
+    while stack:
+        path, value = stack.pop()
+        if isinstance(value, str):
+            m = _SURROGATE.search(value)
+            if m is not None:
+                raise bad_request(
+                    f"{path or 'body'}: string contains a lone UTF-16 surrogate (U+{ord(m.group()):04X}), "
+                    "which is not valid Unicode",
+                    param=path or None,
+                )
+        elif isinstance(value, dict):
+            for key, item in value.items():
+                stack.append((f"{path}.{key}" if path else str(key), key))
+                stack.append((f"{path}.{key}" if path else str(key), item))
+        elif isinstance(value, list):
+            stack.extend((f"{path}.{i}", item) for i, item in enumerate(value))
 
 
 def parse_body(model: type[SamplingFields], obj: dict[str, Any]) -> Any:
@@ -223,6 +266,14 @@ def plan_completion(state: ServerState, req: CompletionRequest) -> GenerationPla
     if req.logprobs is not None and not 0 <= req.logprobs <= state.max_logprobs:
         raise bad_request(f"logprobs must be between 0 and {state.max_logprobs}", param="logprobs")
     include_usage = check_stream_options(req)
+    _check_request_limits(req, state.limits)
+    prompt = req.prompt
+    items = [prompt] if isinstance(prompt, str) or not prompt or isinstance(prompt[0], int) else prompt
+    # Before tokenising anything: a text prompt has at least one token.
+    lengths = [len(p) if isinstance(p, list) else 1 for p in items]
+    exact = req.max_tokens is not None and all(isinstance(p, list) for p in items)
+    least = max(1, req.max_tokens or 1)
+    check_work(state, req.n * sum(n + least for n in lengths), req.n * len(items), exact)
     prompts = completion_prompts(state, req)
     params = [
         sampling_params(
@@ -230,9 +281,11 @@ def plan_completion(state: ServerState, req: CompletionRequest) -> GenerationPla
         )
         for ids in prompts
     ]
-    return GenerationPlan(
+    plan = GenerationPlan(
         False, prompts, params, req.n, req.logprobs is not None, include_usage, bool(req.stream)
     )
+    check_size(state, plan)
+    return plan
 
 
 def plan_chat(state: ServerState, req: ChatCompletionRequest) -> GenerationPlan:
@@ -256,4 +309,59 @@ def plan_chat(state: ServerState, req: ChatCompletionRequest) -> GenerationPlan:
     params = sampling_params(state, req, max_tokens, logprobs)
     plan = GenerationPlan(True, [ids], [params], req.n, bool(req.logprobs), include_usage, bool(req.stream))
     plan.tools = tool_plan(req)
+    check_size(state, plan)
     return plan
+
+
+# Rough sizes of a non-streamed response, per generated token: its text in JSON, and one logprob
+# entry (token text, value, and for chat its bytes) for the token and each top candidate.
+_TEXT_BYTES_PER_TOKEN = 16
+_LOGPROB_ENTRY_BYTES = 64
+_CHOICE_BYTES = 256
+
+
+def check_work(state: ServerState, work: int, sequences: int, exact: bool = True) -> None:
+    """400 if a request's token slots (n x (prompt + max_tokens), summed over prompts; a lower bound
+    unless ``exact``) exceed the per-request limit."""
+    limit = state.max_request_work
+    if work > limit:
+        raise APIError(
+            400,
+            f"request needs {'' if exact else 'at least '}{work:,} token slots ({sequences:,} sequences x "
+            "(prompt + max_tokens)), over "
+            f"the limit of {limit:,} per request; lower n, max_tokens, the prompts or their number",
+            code="request_too_large",
+        )
+
+
+def check_size(state: ServerState, plan: GenerationPlan) -> None:
+    """400 if the plan's work exceeds the per-request limit, or its non-streamed response could
+    exceed ``max_response_bytes`` (refused before anything is generated)."""
+    pairs = list(zip(plan.prompts, plan.params))
+    check_work(state, sum(p.n * (len(ids) + p.max_tokens) for ids, p in pairs), plan.n * len(pairs))
+    if plan.stream:
+        return
+    size = 0
+    for p in plan.params:
+        per_token = _TEXT_BYTES_PER_TOKEN
+        if plan.logprobs:
+            per_token += _LOGPROB_ENTRY_BYTES * (1 + (p.logprobs or 0))
+        size += p.n * (_CHOICE_BYTES + p.max_tokens * per_token)
+    limit = state.limits.max_response_bytes
+    if size > limit:
+        raise APIError(
+            400,
+            f"the response could reach about {size:,} bytes, over the limit of {limit:,} bytes for a "
+            "non-streamed response; stream it (stream=true) or lower n, max_tokens or logprobs",
+            param="stream",
+            code="response_too_large",
+        )
+
+
+def plan_request(state: ServerState, chat: bool, raw: bytes) -> GenerationPlan:
+    """The plan of a raw request body: JSON, schema, tokenisation, chat template and limits (CPU work
+    that runs on a worker thread when the body is large)."""
+    obj = parse_json(raw)
+    if chat:
+        return plan_chat(state, parse_body(ChatCompletionRequest, obj))
+    return plan_completion(state, parse_body(CompletionRequest, obj))
