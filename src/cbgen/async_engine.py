@@ -187,6 +187,9 @@ class AsyncEngine:
     ``fairness`` (None: first come, first served) is the scheduler's policy between requests.
     """
 
+    # A tensor-parallel root with nothing to do steps this often (far below the group's timeout).
+    HEARTBEAT_S = 2.0
+
     def __init__(
         self,
         llm_or_engine: Any,
@@ -421,6 +424,12 @@ class AsyncEngine:
                         return []  # else every request left is paused: wait for a command
                 if self._stopping:
                     return None
+                if self.engine.sync is not None:
+                    # Tensor-parallel root: an idle group still steps now and then, or the other ranks,
+                    # waiting in the root's next exchange, would time out.
+                    if not self._cond.wait(self.HEARTBEAT_S):
+                        return [("tick",)]
+                    continue
                 self._cond.wait()
 
     def _run(self) -> None:
@@ -432,7 +441,7 @@ class AsyncEngine:
                 deliveries: list[tuple[RequestStream, RequestOutput | BaseException]] = []
                 for command in commands:
                     self._apply(command, deliveries)
-                if self.engine.has_unfinished():
+                if self.engine.has_unfinished() or commands == [("tick",)]:
                     try:
                         outputs = self.engine.step()
                     except Exception as exc:
@@ -451,9 +460,14 @@ class AsyncEngine:
             with self._cond:
                 self._accepting = False
                 self._cond.notify_all()
+            if self.engine.sync is not None and self._stopping:
+                with contextlib.suppress(Exception):  # the followers may be gone already
+                    self.engine.stop_followers()
 
     def _apply(self, command: tuple, deliveries: list) -> None:
         kind = command[0]
+        if kind == "tick":
+            return
         if kind == "add":
             _, stream, ids, params, text, job = command
             if stream.cancelled:

@@ -49,6 +49,14 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
+    p.add_argument(
+        "--tensor-parallel-size",
+        type=int,
+        default=1,
+        help="shard the model over N ranks with transformers' tensor parallelism; start with "
+        "`torchrun --nproc-per-node N -m cbgen.cli serve --tensor-parallel-size N ...` (rank 0 serves "
+        "HTTP, the others follow its steps)",
+    )
     p.add_argument("--dtype", default="auto")
     p.add_argument("--device", default=None)
     p.add_argument("--max-num-seqs", type=int, default=256)
@@ -184,20 +192,28 @@ def _load(args: argparse.Namespace) -> tuple[Any, AsyncEngine]:
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         num_blocks=args.num_blocks,
+        tensor_parallel_size=args.tensor_parallel_size,
         **engine_kwargs,
     )
+    if llm.engine.sync is not None and not llm.engine.sync.is_root:
+        # The other ranks of a tensor-parallel group serve nothing: they run the root's steps.
+        llm.engine.follow()
+        raise SystemExit(0)
     max_model_len = int(llm.engine.max_model_len)
     request_work = args.max_request_work or args.max_n * max_model_len
     args.max_request_work = request_work
     fairness = None
-    if args.scheduling == "fair":
+    # Under tensor parallelism every rank must schedule alike, and fair scheduling and stream pauses
+    # are decisions only the root's front end sees: first come, first served there.
+    lockstep = llm.engine.sync is not None
+    if args.scheduling == "fair" and not lockstep:
         fairness = Fairness(quantum=args.fair_quantum, old_share=args.fair_old_share)
     engine = AsyncEngine.from_llm(
         llm,
         max_concurrent_requests=args.max_concurrent_requests,
         max_inflight_work=args.max_inflight_work or 32 * request_work,
         client_share=args.client_share,
-        stream_buffer=args.stream_buffer,
+        stream_buffer=None if lockstep else args.stream_buffer,
         fairness=fairness,
     )
     return llm, engine
