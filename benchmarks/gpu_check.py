@@ -230,6 +230,21 @@ def cuda_tests(dry: bool) -> dict:
     return {"exit": proc.returncode, "counts": counts, "summary": tail, "ok": ok}
 
 
+def tensor_parallel(dry: bool) -> dict:
+    """benchmarks/tp_check.py on two ranks: NCCL over two GPUs when the machine has them (skipped
+    with one), gloo on CPU in the dry run."""
+    gpus = 0 if dry else torch.cuda.device_count()
+    if not dry and gpus < 2:
+        return {"skipped": f"{gpus} GPU(s): tensor parallelism needs 2", "ok": True}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    cmd += [str(HERE / "tp_check.py"), "--device", "cpu" if dry else "cuda"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, check=False, timeout=600)
+    line = next((ln for ln in reversed(proc.stdout.splitlines()) if ln.startswith("{")), None)
+    if proc.returncode != 0 or line is None:
+        return {"ok": False, "error": (proc.stdout + proc.stderr)[-600:]}
+    return json.loads(line)
+
+
 def step_syncs(model, device, dry: bool) -> dict:
     """Host syncs per decode step with overlap scheduling and a mixed sampled batch.
 
@@ -449,6 +464,7 @@ def print_summary(results: dict, shapes: dict) -> None:
         f"\nCUDA-marked tests ({CUDA_TESTS.name}: tensor-core branch, automatic split-K): {ct['summary']}"
         f"{'' if ct['ok'] else ' -- FAILED'}"
     )
+    print(f"\ntensor parallel (2 ranks, benchmarks/tp_check.py): {results['tensor_parallel']}")
     print(f"\nkernel check exit code {results['kernels_exit']}; total {results['seconds']:.0f} s")
 
 
@@ -480,6 +496,8 @@ def main(argv: list[str] | None = None) -> int:
     results["kernels_exit"] = kernel_check(dry)
     results["cuda_tests"] = cuda_tests(dry)
     print(" cuda-marked tests:", results["cuda_tests"]["summary"], flush=True)
+    results["tensor_parallel"] = tensor_parallel(dry)
+    print(" tensor parallel:", results["tensor_parallel"], flush=True)
     for name, shape in shapes.items():
         print(f"== {name}", flush=True)
         model = build_model(shape, device, dtype)
@@ -516,6 +534,7 @@ def main(argv: list[str] | None = None) -> int:
     failed = (
         results["kernels_exit"] != 0
         or not ct["ok"]
+        or not results["tensor_parallel"]["ok"]
         or any(
             results[n]["exactness"]["real_divergences"]
             or results[n]["exactness"]["flash_attn"].get("real_divergences")
