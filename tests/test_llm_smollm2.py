@@ -20,14 +20,15 @@ def smollm2(smollm2_path):
 
 def test_smollm2_chat_greedy_matches_generate(smollm2):
     model, tokenizer = smollm2
-    convs = chat_conversations(16)
+    # 8 conversations x 48 tokens: every prompt checked against generate(), which runs them one by one.
+    convs = chat_conversations(8)
     prompts = [
         list(tokenizer.apply_chat_template(c, tokenize=True, add_generation_prompt=True, return_dict=False))
         for c in convs
     ]
-    refs = [hf_greedy(model, p, 64) for p in prompts]
+    refs = [hf_greedy(model, p, 48) for p in prompts]
     llm = LLM(model, tokenizer)
-    outs = llm.chat(convs, SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True), use_tqdm=False)
+    outs = llm.chat(convs, SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True), use_tqdm=False)
     assert [o.prompt_token_ids for o in outs] == prompts
     got = [o.outputs[0].token_ids for o in outs]
     for conv, out in zip(convs, outs):

@@ -1,7 +1,7 @@
 """One rank of a distributed test, started by ``torchrun`` from tests/distributed/test_*.py.
 
-``python -m torch.distributed.run --standalone --nproc-per-node 2 worker.py SCENARIO OUT_DIR [ARCH]``
-writes ``OUT_DIR/<scenario>-rank<r>.json``; the tests read and compare the ranks' files.
+``python -m torch.distributed.run --standalone --nproc-per-node 2 worker.py SCENARIO[:ARCH][,...] OUT_DIR``
+writes ``OUT_DIR/<scenario>-<arch>-rank<r>.json``; the tests read and compare the ranks' files.
 Everything runs on CPU with gloo.
 """
 
@@ -11,6 +11,7 @@ import dataclasses
 import json
 import sys
 import time
+import traceback
 from pathlib import Path
 
 import torch
@@ -25,7 +26,7 @@ from cbgen import LLM, SamplingParams  # noqa: E402
 from cbgen.core.update import SampledTokens  # noqa: E402
 from cbgen.distributed import generate_dp  # noqa: E402
 from cbgen.distributed.lockstep import Ingress, Lockstep  # noqa: E402
-from cbgen.distributed.topology import Topology  # noqa: E402
+from cbgen.model.topology import Topology  # noqa: E402
 from oracle import compare, hf_greedy  # noqa: E402
 from tiny_models import make_model  # noqa: E402
 
@@ -166,13 +167,22 @@ def scenario_lockstep_cost(out: Path, arch: str) -> dict:
 
 
 def main() -> None:
-    scenario, out, arch = sys.argv[1], Path(sys.argv[2]), (sys.argv[3] if len(sys.argv) > 3 else "llama")
+    """``worker.py SCENARIO[:ARCH][,SCENARIO[:ARCH]...] OUT``: the scenarios one after another in one
+    process group (one torchrun start for all of them); a scenario that raises writes its traceback,
+    so only its own test fails."""
+    specs, out = sys.argv[1].split(","), Path(sys.argv[2])
     dist.init_process_group("gloo")
-    torch.manual_seed(0)
-    result = globals()[f"scenario_{scenario}"](out, arch)
-    result["rank"] = dist.get_rank()
-    (out / f"{scenario}-{arch}-rank{dist.get_rank()}.json").write_text(json.dumps(result))
-    dist.barrier()
+    for spec in specs:
+        scenario, _, arch = spec.partition(":")
+        arch = arch or "llama"
+        torch.manual_seed(0)
+        try:
+            result = globals()[f"scenario_{scenario}"](out, arch)
+        except Exception:
+            result = {"exception": traceback.format_exc()}
+        result["rank"] = dist.get_rank()
+        (out / f"{scenario}-{arch}-rank{dist.get_rank()}.json").write_text(json.dumps(result))
+        dist.barrier()
     dist.destroy_process_group()
 
 

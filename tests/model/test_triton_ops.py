@@ -242,9 +242,9 @@ def test_automatic_split_k_choice(monkeypatch) -> None:
 
 
 @pytest.mark.parametrize(
-    ("arch", "eager"), [("llama", True), ("gemma2", False)], ids=["eager-llama", "fixed-shape-gemma2"]
+    ("arch", "decode_mode"), [("llama", "eager"), ("gemma2", "static")], ids=["eager-llama", "static-gemma2"]
 )
-def test_engine_with_triton_backend_matches_generate(arch: str, eager: bool, monkeypatch) -> None:
+def test_engine_with_triton_backend_matches_generate(arch: str, decode_mode: str, monkeypatch) -> None:
     """The whole engine on ``attention_backend="triton"`` under the interpreter: greedy tokens equal
     ``generate()`` (gemma2: sliding window and soft-cap in the kernel), eager and through the
     padded fixed-shape decode path (padding rows store nowhere and read nothing), and every step's
@@ -254,7 +254,7 @@ def test_engine_with_triton_backend_matches_generate(arch: str, eager: bool, mon
     # Short prompts: under the interpreter the KV store costs one Python-run program per token.
     prompts = make_prompts(3, lengths=(4, 30))
     params = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
-    llm = LLM(model, block_size=8, attention_backend="triton", enforce_eager=eager, max_num_seqs=4)
+    llm = LLM(model, block_size=8, attention_backend="triton", decode_mode=decode_mode, max_num_seqs=4)
     assert llm.engine.runner.backend == "triton"
     outs = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
     compare(model, prompts, [o.token_ids for o in outs], [hf_greedy(model, p, 5) for p in prompts])

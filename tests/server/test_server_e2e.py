@@ -235,7 +235,7 @@ def test_disconnect_while_waiting_for_non_streaming_response(server):
 
 # ---------------------------------------------------------------------------------------------- (3) load
 def test_load_64_concurrent_streaming_clients(server):
-    clients, per_client, max_tokens = 64, 4, 16
+    clients, per_client, max_tokens = 64, 2, 16
     before = metrics(server.url)
     aclient = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
     ttfts: list[float] = []

@@ -349,6 +349,9 @@ def _megabyte_chat_bodies(hostile) -> tuple[bool, str]:
     sent: list[float] = []
 
     def flood() -> None:
+        # A real flooder's CPU is on its own machine; on a 2-core test box its sending would compete
+        # with the engine, which is not what this measures.  The server's share is all that counts.
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
         with httpx.Client(timeout=120) as http:
             while not stop.is_set():
                 start = time.perf_counter()

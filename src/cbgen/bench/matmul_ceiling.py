@@ -18,7 +18,7 @@ from cbgen.bench.runner_common import sync
 
 # Distinct weight copies cycled per timing: at least this many bytes, so each pass reads them from
 # memory, as a decode step does.
-_COLD_BYTES = 96 << 20
+COLD_BYTES = 96 << 20
 
 
 def time_matmuls(
@@ -28,6 +28,7 @@ def time_matmuls(
     device: Any = None,
     budget_s: float = 0.2,
     candidate: Any = None,
+    cold_bytes: int = COLD_BYTES,
 ) -> float | None:
     """GFLOP/s of one GEMM (``candidate``, a :class:`cbgen.model.gemm_choice.Candidate`; default
     ``F.linear``) over ``shapes`` ((in, out) weights) with ``rows`` input rows, cycling through
@@ -44,7 +45,7 @@ def time_matmuls(
     g = torch.Generator().manual_seed(0)
     base = [torch.randn(o, i, generator=g).to(dtype=dt, device=dev) for i, o in shapes]
     layer_bytes = sum(w.numel() * w.element_size() for w in base)
-    copies = max(1, _COLD_BYTES // max(layer_bytes, 1)) if dev.type == "cpu" else 1
+    copies = max(1, cold_bytes // max(layer_bytes, 1)) if dev.type == "cpu" else 1
     weights = [w if c == 0 else w.clone() for c in range(copies) for w in base]
     packed = [(cand.pack(w) if cand.pack is not None else None, w) for w in weights]
     inputs = {i: torch.randn(rows, i, generator=g).to(dtype=dt, device=dev) for i, _ in shapes}
@@ -74,7 +75,7 @@ def time_matmuls(
 
 
 def _best(
-    shapes: list[tuple[int, int]], rows: int, dtype: str, device: Any, budget_s: float
+    shapes: list[tuple[int, int]], rows: int, dtype: str, device: Any, budget_s: float, cold_bytes: int
 ) -> dict[str, Any]:
     import torch
 
@@ -83,23 +84,32 @@ def _best(
 
     dt = resolve_dtype(dtype, None, device or "cpu")
     found = candidates(dt) if torch.device(device or "cpu").type == "cpu" else {"plain": PLAIN}
-    rates = {name: time_matmuls(shapes, rows, dtype, device, budget_s, cand) for name, cand in found.items()}
+    rates = {
+        name: time_matmuls(shapes, rows, dtype, device, budget_s, cand, cold_bytes)
+        for name, cand in found.items()
+    }
     usable = {k: v for k, v in rates.items() if v is not None}
     winner = max(usable, key=usable.get)
     return {"gflops": usable[winner], "gemm": winner, "all": rates}
 
 
 def matmul_ceiling(
-    dims: Any, decode_rows: int, prefill_rows: int, device: Any = None, budget_s: float = 0.2
+    dims: Any,
+    decode_rows: int,
+    prefill_rows: int,
+    device: Any = None,
+    budget_s: float = 0.2,
+    cold_bytes: int = COLD_BYTES,
 ) -> dict[str, Any]:
     """Best measured GEMM throughput at the model's decode shapes (``decode_rows`` rows through one
     layer's matmuls plus the LM head) and prefill shapes (``prefill_rows`` rows, no LM head), for
-    float32 and bfloat16, with the winning GEMM of each."""
+    float32 and bfloat16, with the winning GEMM of each.  ``cold_bytes``: the weight copies cycled
+    through (smaller is quicker and warmer; the tests' tiny runs use one copy)."""
     out: dict[str, Any] = {"decode_rows": decode_rows, "prefill_rows": prefill_rows}
     decode_shapes = [*dims.layer_linears, (dims.hidden_size, dims.vocab_size)]
     for dtype in ("float32", "bfloat16"):
-        decode = _best(decode_shapes, decode_rows, dtype, device, budget_s)
-        prefill = _best(dims.layer_linears, prefill_rows, dtype, device, budget_s)
+        decode = _best(decode_shapes, decode_rows, dtype, device, budget_s, cold_bytes)
+        prefill = _best(dims.layer_linears, prefill_rows, dtype, device, budget_s, cold_bytes)
         out[dtype] = {
             "decode_gflops": decode["gflops"],
             "prefill_gflops": prefill["gflops"],

@@ -16,9 +16,6 @@ from cbgen.server.schemas import ChatCompletionRequest, ChatMessage, CompletionR
 from cbgen.server.state import ServerState
 from cbgen.server.tools import chat_message, template_kwargs, tool_plan
 
-# No token is near this long, so text this many times the prompt limit cannot fit in it: such a
-# prompt is refused before spending time on tokenising it.
-_MAX_CHARS_PER_TOKEN = 64
 # Text longer than this many characters per token of the limit is first counted on a prefix of that
 # length: most text has several tokens per four characters, so a prompt far over the limit is found
 # without tokenising all of it (a megabyte takes seconds of CPU the engine needs).
@@ -74,7 +71,7 @@ def completion_prompts(state: ServerState, req: CompletionRequest) -> list[list[
         if isinstance(item, str):
             if state.tokenizer is None:
                 raise bad_request("text prompts need a tokenizer; send token ids", param="prompt")
-            if len(item) > _MAX_CHARS_PER_TOKEN * prompt_limit(state):
+            if len(item) > state.max_token_chars * prompt_limit(state):
                 raise bad_request(
                     f"prompt has {len(item):,} characters, far more than the limit of {prompt_limit(state)} "
                     "tokens can hold",
@@ -129,7 +126,7 @@ def chat_prompt(state: ServerState, req: ChatCompletionRequest) -> list[int]:
         conversation.append({"role": role, "content": _message_text(i, m)})
     texts = [m["content"] for m in conversation if isinstance(m.get("content"), str)]
     chars = sum(map(len, texts))
-    if chars > _MAX_CHARS_PER_TOKEN * prompt_limit(state):
+    if chars > state.max_token_chars * prompt_limit(state):
         raise bad_request(
             f"messages hold {chars:,} characters, far more than the prompt limit of {prompt_limit(state)} "
             "tokens can hold",

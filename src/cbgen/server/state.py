@@ -16,6 +16,7 @@ from typing import Any, TypeVar
 from cbgen.async_engine import AsyncEngine, EngineShutdownError, QueueFullError, RequestStream
 from cbgen.sampling_params import SamplingParams
 from cbgen.server.errors import APIError, bad_request, sampling_param_of
+from cbgen.server.json_child import JsonChild
 from cbgen.server.metrics import ServerMetrics
 
 T = TypeVar("T")
@@ -80,8 +81,10 @@ class ServerState:
         self.max_logprobs = min(limits.max_logprobs, int(core.config.max_logprobs))
         self.max_request_work = limits.max_request_work or limits.max_n * self.max_model_len
         self.special_tokens = _special_tokens(tokenizer)
+        self.max_token_chars = _max_token_chars(tokenizer)
         self._token_text: dict[int, str] = {}
         self._workers: ThreadPoolExecutor | None = None
+        self.json_child = JsonChild()  # started by the first large body
 
     async def off_loop(self, fn: Callable[[], T]) -> T:
         """Runs ``fn`` on one of two worker threads (heavy parsing, templating, rendering)."""
@@ -92,9 +95,10 @@ class ServerState:
         return await asyncio.get_running_loop().run_in_executor(self._workers, fn)
 
     def close(self) -> None:
-        """Stops the worker threads."""
+        """Stops the worker threads and the JSON child process."""
         if self._workers is not None:
             self._workers.shutdown(wait=False, cancel_futures=True)
+        self.json_child.close()
 
     def submit(
         self,
@@ -136,6 +140,18 @@ class ServerState:
         return text
 
 
+def _max_token_chars(tokenizer: Any) -> int:
+    """The most characters of text one token can cover: the longest token string of the vocabulary
+    (byte-level and SentencePiece tokens spell at least as many characters as they stand for).  A
+    prompt longer than this many times the token limit cannot fit, and is refused untokenised.  At
+    least 64: a margin for normalisers that shorten text."""
+    vocab = getattr(tokenizer, "get_vocab", None)
+    try:
+        return max(64, *map(len, vocab())) if vocab is not None else 64
+    except Exception:  # a tokenizer without a usable vocabulary: a generous bound
+        return 256
+
+
 def _special_tokens(tokenizer: Any) -> tuple[str, ...]:
     """The texts the tokenizer turns into special (control) tokens."""
     if tokenizer is None:
@@ -152,4 +168,4 @@ def _lower_priority() -> None:
     wins the cores when a client sends heavy bodies back to back."""
     if sys.platform == "linux":
         with contextlib.suppress(OSError):
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)

@@ -7,8 +7,8 @@ never sees a request the server would have refused.
 from __future__ import annotations
 
 import asyncio
-import json
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,9 +17,10 @@ from starlette.requests import Request
 
 from cbgen.sampling_params import SamplingParams
 from cbgen.server.errors import APIError, bad_request, sampling_param_of, validation_error
+from cbgen.server.json_child import loads_here
 from cbgen.server.prompts import chat_prompt, check_prompt, completion_prompts
 from cbgen.server.schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
-from cbgen.server.state import ServerLimits, ServerState
+from cbgen.server.state import OFFLOAD_BYTES, ServerLimits, ServerState
 from cbgen.server.structured import structured_kwargs
 from cbgen.server.tools import ToolPlan, tool_plan
 
@@ -36,10 +37,6 @@ class GenerationPlan:
     include_usage: bool
     stream: bool
     tools: ToolPlan | None = None  # chat with tools (cbgen.server.tools)
-
-
-def _reject_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not valid JSON")
 
 
 async def read_body(request: Request, max_bytes: int, timeout: float) -> bytes:
@@ -82,21 +79,23 @@ async def read_body(request: Request, max_bytes: int, timeout: float) -> bytes:
 _SURROGATE = re.compile("[\ud800-\udfff]")
 
 
-def parse_json(raw: bytes) -> dict[str, Any]:
-    """A request body as a JSON object; invalid UTF-8, JSON or Unicode is a 400."""
+def parse_json(raw: bytes, loads: Callable[[bytes], Any] = loads_here) -> dict[str, Any]:
+    """A request body as a JSON object; invalid UTF-8, JSON or Unicode is a 400.  ``loads`` parses
+    (:class:`cbgen.server.json_child.JsonChild` for large bodies)."""
     try:
-        text = raw.decode("utf-8")
+        raw.decode("utf-8")
     except UnicodeDecodeError as exc:
         raise bad_request(f"request body is not valid UTF-8: {exc.reason} at byte {exc.start}") from None
     try:
-        obj = json.loads(text, parse_constant=_reject_constant)
+        obj = loads(raw)
     except (ValueError, RecursionError) as exc:
         raise bad_request(f"request body is not valid JSON: {exc}") from None
     if not isinstance(obj, dict):
         raise bad_request("request body must be a JSON object")
     # UTF-8 cannot carry a surrogate, but a JSON escape can: "\ud800" alone decodes to a string no
-    # tokenizer or encoder accepts.  Only bodies with such an escape need the walk.
-    if "\\ud" in text.lower():
+    # tokenizer or encoder accepts.  Only bodies with such an escape need the walk (JSON's "u" is
+    # lower case; searching the bytes skips a lower-cased copy of a megabyte body).
+    if b"\\ud" in raw or b"\\uD" in raw:
         _reject_lone_surrogates(obj)
     return obj
 
@@ -361,7 +360,7 @@ def check_size(state: ServerState, plan: GenerationPlan) -> None:
 def plan_request(state: ServerState, chat: bool, raw: bytes) -> GenerationPlan:
     """The plan of a raw request body: JSON, schema, tokenisation, chat template and limits (CPU work
     that runs on a worker thread when the body is large)."""
-    obj = parse_json(raw)
+    obj = parse_json(raw, state.json_child.loads if len(raw) >= OFFLOAD_BYTES else loads_here)
     if chat:
         return plan_chat(state, parse_body(ChatCompletionRequest, obj))
     return plan_completion(state, parse_body(CompletionRequest, obj))
