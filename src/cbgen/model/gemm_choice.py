@@ -162,7 +162,7 @@ def default_plan(dtype: torch.dtype) -> GemmPlan:
 
 
 def time_candidate(
-    cand: Candidate, layers: Sequence[Sequence[torch.Tensor]], rows: int, repeats: int = 2
+    cand: Candidate, layers: Sequence[Sequence[torch.Tensor]], rows: int, repeats: int = 1
 ) -> float | None:
     """Seconds for one pass of ``rows``-row GEMMs over ``layers`` (each a list of weights), cycling
     through distinct layers so the weights come from memory; None when it does not serve ``rows``."""
