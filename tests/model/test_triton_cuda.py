@@ -26,29 +26,16 @@ else:
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(_skip is not None, reason=_skip or "")]
 
 
-def _spy_launch(monkeypatch) -> list[tuple[int, bool]]:
-    """Records (num_splits, native_dot) of every decode launch."""
-    seen = []
-    original = triton_ops._launch_decode
-
-    def spy(*args):
-        seen.append((args[-2], args[-1]))
-        return original(*args)
-
-    monkeypatch.setattr(triton_ops, "_launch_decode", spy)
-    return seen
-
-
 def _on_cuda(case: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
     return tuple(t.cuda() for t in case)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("head_dim", [64, 128])
-def test_cuda_tensor_core_branch(dtype: torch.dtype, head_dim: int, monkeypatch) -> None:
+def test_cuda_tensor_core_branch(dtype: torch.dtype, head_dim: int, monkeypatch, decode_launches) -> None:
     """bf16/fp16 decode on tensor cores (``NATIVE_DOT``), window and soft-cap included, against the
     float32 reference."""
-    seen = _spy_launch(monkeypatch)
+    seen = decode_launches
     for window, softcap in ((None, None), (20, 5.0)):
         query, k, v, table, clean, lens = _on_cuda(make_case(3, LENS, 8, 2, head_dim, 16, dtype))
         out = triton_ops.triton_paged_decode_attention(
@@ -64,10 +51,10 @@ def test_cuda_tensor_core_branch(dtype: torch.dtype, head_dim: int, monkeypatch)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_cuda_automatic_split_k(dtype: torch.dtype, monkeypatch) -> None:
+def test_cuda_automatic_split_k(dtype: torch.dtype, monkeypatch, decode_launches) -> None:
     """One row over a long context on a device with many SMs: the automatic split count is above 1
     (flash-decoding plus the merge kernel), and the result equals the reference."""
-    seen = _spy_launch(monkeypatch)
+    seen = decode_launches
     lens = [4000, 1]
     query, k, v, table, clean, seq_lens = _on_cuda(make_case(5, lens, 8, 2, 128, 16, dtype))
     out = triton_ops.triton_paged_decode_attention(query, k, v, table, seq_lens, 128**-0.5)

@@ -177,23 +177,10 @@ def test_decode_rejects_bad_gqa() -> None:
 # ------------------------------------------------------------------------------------------------
 
 
-def _spy_launch(monkeypatch) -> list[tuple[int, bool]]:
-    """Records (num_splits, native_dot) of every decode launch."""
-    seen = []
-    original = triton_ops._launch_decode
-
-    def spy(*args):
-        seen.append((args[-2], args[-1]))
-        return original(*args)
-
-    monkeypatch.setattr(triton_ops, "_launch_decode", spy)
-    return seen
-
-
-def test_fp16_takes_the_tensor_core_branch_under_the_interpreter(monkeypatch) -> None:
+def test_fp16_takes_the_tensor_core_branch_under_the_interpreter(monkeypatch, decode_launches) -> None:
     """The 16-bit ``tl.dot`` branch (``NATIVE_DOT``) runs on CPU in float16; bfloat16 keeps the
     float32 dots there (see the next test), float32 always."""
-    seen = _spy_launch(monkeypatch)
+    seen = decode_launches
     for dtype in (torch.float16, torch.bfloat16, torch.float32):
         _check_decode(LENS, 8, 2, 32, 16, dtype, seed=21)
     assert [native for _, native in seen] == [True, False, False]
@@ -244,12 +231,14 @@ def test_automatic_split_k_choice(monkeypatch) -> None:
 @pytest.mark.parametrize(
     ("arch", "decode_mode"), [("llama", "eager"), ("gemma2", "static")], ids=["eager-llama", "static-gemma2"]
 )
-def test_engine_with_triton_backend_matches_generate(arch: str, decode_mode: str, monkeypatch) -> None:
+def test_engine_with_triton_backend_matches_generate(
+    arch: str, decode_mode: str, monkeypatch, decode_launches
+) -> None:
     """The whole engine on ``attention_backend="triton"`` under the interpreter: greedy tokens equal
     ``generate()`` (gemma2: sliding window and soft-cap in the kernel), eager and through the
     padded fixed-shape decode path (padding rows store nowhere and read nothing), and every step's
     raw logprob equals a plain forward's to 1e-4 (tokens alone miss small errors in a short run)."""
-    seen = _spy_launch(monkeypatch)
+    seen = decode_launches
     model = make_model(arch)
     # Short prompts: under the interpreter the KV store costs one Python-run program per token.
     prompts = make_prompts(3, lengths=(4, 30))
