@@ -5,6 +5,7 @@ so on), so whether a path exists is a property of the build, asked of the same c
 same flags; AMX also needs the kernel to grant the tile state, which only a call can tell.
 
 * ``c``: the kernels built and loaded at all;
+* ``avx2``: the AVX2 + FMA loops of the paged decode kernel (``__AVX2__`` and ``__FMA__``);
 * ``avx512``: the AVX-512 loops of the paged decode and fused kernels (``__AVX512F__``);
 * ``avx512bf16``: bf16 query x key products on ``vdpbf16ps`` in the decode kernel (``__AVX512BF16__``);
 * ``amx``: the bf16 AMX projections and the one-call C decode step.
@@ -19,11 +20,12 @@ from dataclasses import dataclass
 
 PATHS: dict[str, str] = {
     "c": "C kernels",
+    "avx2": "AVX2",
     "avx512": "AVX-512",
     "avx512bf16": "AVX512-BF16",
     "amx": "AMX",
 }
-_MACROS = {"avx512": "__AVX512F__", "avx512bf16": "__AVX512BF16__"}
+_MACROS = {"avx2": "__FMA__", "avx512": "__AVX512F__", "avx512bf16": "__AVX512BF16__"}
 
 
 @dataclass(frozen=True)

@@ -66,3 +66,21 @@ def test_decoder_layout_comes_from_the_library() -> None:
     del missing["WINDOW"]
     with pytest.raises(ValueError, match="not the library's"):
         layout.records([missing], [floats])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("ctx_len", "q_len"), [(1, 1), (5, 3), (100, 17), (300, 64)])
+def test_prefill_chunk_after_context_equals_the_masked_attention(dtype, ctx_len, q_len) -> None:
+    """A prefill chunk after earlier context: the split (context, then the chunk causally, merged by
+    log-sum-exps) against one masked SDPA in float32."""
+    gen = torch.Generator().manual_seed(ctx_len + q_len)
+    q = torch.randn(1, 6, q_len, 16, generator=gen).to(dtype)
+    k, v = (torch.randn(1, 2, ctx_len + q_len, 16, generator=gen).to(dtype) for _ in range(2))
+    out = paged_ops.attend_after_context(q, k, v, ctx_len, 0.25)
+    visible = torch.arange(ctx_len + q_len)[None, :] <= torch.arange(ctx_len, ctx_len + q_len)[:, None]
+    ref = torch.nn.functional.scaled_dot_product_attention(
+        q.float(), k.float(), v.float(), attn_mask=visible, scale=0.25, enable_gqa=True
+    )
+    assert out.dtype == dtype and out.shape == q.shape
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out.float(), ref, atol=tol, rtol=tol)

@@ -14,11 +14,13 @@ pytestmark = pytest.mark.native("c")
 
 # More than 16 rows switches the kernel from one task per (row, kv head) to one task per row.
 MANY_LENS = [(i * 37) % 150 + 1 for i in range(40)]
-# "fast" asks for the AVX-512 loops; a build without them would silently run the portable loops
-# again, so those cases skip by name where the CPU lacks AVX-512.
+# Each of the decode kernel's loops, by name: "avx512" (the fastest, where the CPU has AVX-512),
+# "avx2" (AVX2 + FMA) and the portable C loops.  A build without a vector path would silently run the
+# portable loops again, so those cases skip by name where the CPU lacks it.
 IMPLS = [
-    pytest.param(False, id="fast", marks=pytest.mark.native("avx512")),
-    pytest.param(True, id="portable"),
+    pytest.param(cpu_kernels.IMPL_FAST, id="avx512", marks=pytest.mark.native("avx512")),
+    pytest.param(cpu_kernels.IMPL_AVX2, id="avx2", marks=pytest.mark.native("avx2")),
+    pytest.param(cpu_kernels.IMPL_PORTABLE, id="portable"),
 ]
 
 
@@ -33,12 +35,10 @@ def _check_decode(*args, window=None, **kwargs) -> None:
     [(2, 2, 16), (9, 3, 64), (8, 2, 64), (4, 1, 128), (6, 3, 24), (2, 1, 256)],
 )
 @pytest.mark.parametrize("lens", [LENS, MANY_LENS], ids=["few-rows", "many-rows"])
-@pytest.mark.parametrize("portable", IMPLS)
-def test_decode_matches_reference(
-    dtype, block_size, num_heads, num_kv_heads, head_dim, lens, portable
-) -> None:
-    """Both the AVX-512 loops (where the CPU has them; head sizes that are multiples of 16) and the
-    portable ones; head_dim 24 always takes the portable loops."""
+@pytest.mark.parametrize("impl", IMPLS)
+def test_decode_matches_reference(dtype, block_size, num_heads, num_kv_heads, head_dim, lens, impl) -> None:
+    """Every loop variant the CPU has (AVX-512: head sizes that are multiples of 16; AVX2: of 8)
+    and the portable one; head_dim 24 takes the AVX2 or portable loops."""
     _check_decode(
         lens,
         num_heads,
@@ -47,23 +47,36 @@ def test_decode_matches_reference(
         block_size,
         dtype,
         seed=head_dim + block_size,
-        portable=portable,
+        impl=impl,
     )
 
 
 @pytest.mark.parametrize("window", [1, 5, 16, 33, 100])
 @pytest.mark.parametrize("lens", [LENS, MANY_LENS], ids=["few-rows", "many-rows"])
-@pytest.mark.parametrize("portable", IMPLS)
-def test_decode_sliding_window(window: int, lens, portable: bool) -> None:
-    _check_decode(lens, 4, 2, 32, 8, torch.float32, seed=window, window=window, portable=portable)
+@pytest.mark.parametrize("impl", IMPLS)
+def test_decode_sliding_window(window: int, lens, impl: int) -> None:
+    _check_decode(lens, 4, 2, 32, 8, torch.float32, seed=window, window=window, impl=impl)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("softcap", [0.5, 30.0])
-@pytest.mark.parametrize("portable", IMPLS)
-def test_decode_softcap_and_window(dtype: torch.dtype, softcap: float, portable: bool) -> None:
-    _check_decode(MANY_LENS, 4, 1, 32, 16, dtype, seed=3, softcap=softcap, portable=portable)
-    _check_decode(LENS, 8, 2, 32, 16, dtype, seed=4, window=20, softcap=softcap, portable=portable)
+@pytest.mark.parametrize("impl", IMPLS)
+def test_decode_softcap_and_window(dtype: torch.dtype, softcap: float, impl: int) -> None:
+    _check_decode(MANY_LENS, 4, 1, 32, 16, dtype, seed=3, softcap=softcap, impl=impl)
+    _check_decode(LENS, 8, 2, 32, 16, dtype, seed=4, window=20, softcap=softcap, impl=impl)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize(
+    ("lens", "window"),
+    [([3000], None), ([1100, 520, 9], None), ([2500, 700], 600), ([513, 4000], 1500)],
+    ids=["one-row", "three-rows", "window", "window-longer"],
+)
+def test_decode_long_contexts_split_into_chunks(dtype: torch.dtype, impl: int, lens, window) -> None:
+    """Few rows with long contexts: each row's context is cut into chunks whose partial softmaxes
+    are merged (rows of other lengths, and sliding windows, in the same call)."""
+    _check_decode(lens, 9, 3, 64, 16, dtype, seed=len(lens), window=window, impl=impl)
 
 
 @pytest.mark.native("avx512", "avx512bf16")
@@ -72,7 +85,7 @@ def test_decode_bf16_pairs_on_avx512_bf16(head_dim: int) -> None:
     """bf16 queries and keys go straight into ``vdpbf16ps`` (head sizes that are multiples of 32),
     against the float32 reference."""
     for lens in (LENS, MANY_LENS):
-        _check_decode(lens, 8, 2, head_dim, 16, torch.bfloat16, seed=head_dim, portable=False)
+        _check_decode(lens, 8, 2, head_dim, 16, torch.bfloat16, seed=head_dim)
 
 
 def test_decode_float16_falls_back_to_reference() -> None:

@@ -30,6 +30,9 @@ FOUND = {
     "fast_big": _fake("fast_big"),
 }
 TIMES = {
+    ("plain", gemm_choice.SINGLE_ROWS): 2.0,
+    ("fast_small", gemm_choice.SINGLE_ROWS): None,  # does not serve this row count
+    ("fast_big", gemm_choice.SINGLE_ROWS): 1.5,
     ("plain", gemm_choice.DECODE_ROWS): 3.0,
     ("fast_small", gemm_choice.DECODE_ROWS): 1.0,
     ("fast_big", gemm_choice.DECODE_ROWS): 2.0,
@@ -39,8 +42,9 @@ TIMES = {
 }
 
 
-# Each candidate is timed once per round, except one that does not serve a row class (asked once).
-CALLS = 6 * gemm_choice.TIMING_ROUNDS - (gemm_choice.TIMING_ROUNDS - 1)
+# Each candidate is timed once per round and row class, except where it does not serve the rows
+# (asked once): fast_small serves neither single nor prefill rows.
+CALLS = 9 * gemm_choice.TIMING_ROUNDS - 2 * (gemm_choice.TIMING_ROUNDS - 1)
 
 
 class Timer:
@@ -65,7 +69,7 @@ def test_a_burst_of_load_in_one_round_does_not_decide(tmp_path):
 
     def bursty(cand, layers, rows):
         t = timer(cand, layers, rows)
-        if cand.name == "fast_small" and cand.name not in seen:
+        if cand.name == "fast_small" and t is not None and cand.name not in seen:
             seen.add(cand.name)
             return t * 10
         return t
@@ -83,10 +87,16 @@ def _choose(tmp_path, timer, **kw):
 def test_picks_the_fastest_per_row_class_and_caches_it(tmp_path):
     timer = Timer()
     plan = _choose(tmp_path, timer)
-    assert (plan.decode.name, plan.prefill.name, plan.source) == ("fast_small", "fast_big", "measured")
-    assert timer.calls == CALLS  # 3 candidates x 2 row classes, in turns
+    assert (plan.single.name, plan.decode.name, plan.prefill.name) == ("fast_big", "fast_small", "fast_big")
+    assert plan.source == "measured"
+    assert timer.calls == CALLS  # 3 candidates x 3 row classes, in turns
     again = _choose(tmp_path, timer)
-    assert (again.decode.name, again.prefill.name, again.source) == ("fast_small", "fast_big", "cache")
+    assert (again.single.name, again.decode.name, again.prefill.name) == (
+        "fast_big",
+        "fast_small",
+        "fast_big",
+    )
+    assert again.source == "cache"
     assert timer.calls == CALLS, "a cached choice must not be timed again"
 
 
@@ -103,6 +113,14 @@ def test_the_environment_forces_a_choice(tmp_path, monkeypatch):
     monkeypatch.setenv("CBGEN_GEMM", "decode=fast_big,prefill=plain")
     plan = _choose(tmp_path, timer)
     assert (plan.decode.name, plan.prefill.name, plan.source) == ("fast_big", "plain", "CBGEN_GEMM")
+    assert plan.single.name == "fast_big"  # decode= covers single rows too unless single= is given
+    monkeypatch.setenv("CBGEN_GEMM", "single=plain,decode=fast_small,prefill=fast_big")
+    forced = _choose(tmp_path, timer)
+    assert (forced.single.name, forced.decode.name, forced.prefill.name) == (
+        "plain",
+        "fast_small",
+        "fast_big",
+    )
     monkeypatch.setenv("CBGEN_GEMM", "fast_big")
     assert _choose(tmp_path, timer).prefill.name == "fast_big"
     assert timer.calls == 0
@@ -123,10 +141,13 @@ def test_packed_linears_run_each_row_class_on_its_winner():
             lambda x, p, w, b: torch.full((x.shape[0], 384), float(p)),
         )
 
-    packed = PackedLinears(torch.float32, plan=GemmPlan(cand("decode"), cand("prefill")))
-    small = packed(torch.randn(8, 256, generator=gen), layer)
+    marker["single"] = 300.0
+    plan = GemmPlan(cand("decode"), cand("prefill"), single=cand("single"))
+    packed = PackedLinears(torch.float32, plan=plan)
+    one = packed(torch.randn(gemm_choice.SINGLE_MAX_ROWS, 256, generator=gen), layer)
+    small = packed(torch.randn(gemm_choice.SINGLE_MAX_ROWS + 1, 256, generator=gen), layer)
     big = packed(torch.randn(gemm_choice.SPLIT_ROWS + 1, 256, generator=gen), layer)
-    assert torch.all(small == 100.0) and torch.all(big == 200.0)
+    assert torch.all(one == 300.0) and torch.all(small == 100.0) and torch.all(big == 200.0)
 
 
 def test_every_real_candidate_computes_f_linear():
@@ -137,7 +158,7 @@ def test_every_real_candidate_computes_f_linear():
         mod = nn.Linear(256, 384).to(dtype)
         mod.load_state_dict(layer.to(dtype).state_dict())
         for cand in gemm_choice.candidates(dtype).values():
-            for rows in (gemm_choice.DECODE_ROWS, 300):
+            for rows in (1, 3, gemm_choice.DECODE_ROWS, 300):
                 x = torch.randn(rows, 256, generator=gen).to(dtype)
                 packed = cand.pack(mod.weight.detach()) if cand.pack is not None else None
                 out = cand.apply(x, packed, mod.weight, mod.bias)
@@ -147,3 +168,32 @@ def test_every_real_candidate_computes_f_linear():
                 torch.testing.assert_close(
                     out.float(), nn.functional.linear(x, mod.weight, mod.bias).float(), atol=tol, rtol=tol
                 )
+
+
+@pytest.mark.native("c")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("k", [576, 37, 8])
+def test_gemv_kernel(dtype: torch.dtype, k: int) -> None:
+    """The C kernel of the ``gemv`` candidate: every row count it takes, widths that are and are not
+    multiples of its 8 lanes, output widths that are not multiples of its 4-row groups, with and
+    without bias, strided x rows; it refuses what it cannot take before reading anything."""
+    from cbgen.model import cpu_kernels
+
+    gen = torch.Generator().manual_seed(k)
+    weight = torch.randn(203, k, generator=gen).to(dtype)
+    bias = torch.randn(203, generator=gen).to(dtype)
+    wide = torch.randn(cpu_kernels.GEMV_MAX_ROWS, k + 5, generator=gen).to(dtype)
+    tol = 1e-4 if dtype == torch.float32 else 1e-2  # float32 sums of 576 terms in another order
+    for rows in range(1, cpu_kernels.GEMV_MAX_ROWS + 1):
+        x = wide[:rows, :k]  # rows k + 5 apart
+        for b in (None, bias):
+            expected = nn.functional.linear(x.float(), weight.float(), None if b is None else b.float())
+            torch.testing.assert_close(cpu_kernels.gemv(x, weight, b).float(), expected, atol=tol, rtol=tol)
+    with pytest.raises(ValueError, match="1-8 rows"):
+        cpu_kernels.gemv(torch.zeros(9, k, dtype=dtype), weight)
+    with pytest.raises(ValueError):
+        cpu_kernels.gemv(torch.zeros(1, k + 1, dtype=dtype), weight)  # width differs from the weight's
+    with pytest.raises(ValueError):
+        cpu_kernels.gemv(torch.zeros(1, k, dtype=dtype), weight.t().contiguous().t())  # column-major
+    with pytest.raises(ValueError):
+        cpu_kernels.gemv(torch.zeros(1, k, dtype=torch.float16), weight.half())

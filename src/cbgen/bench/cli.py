@@ -3,7 +3,8 @@
 Examples::
 
     cbgen bench                                   # default suite: chat + overhead vs hf-generate, hf-cb
-    cbgen bench --suite full --repeats 5          # chat, overhead, grpo (+ cbgen-noshare), mixed
+    cbgen bench --suite full --repeats 5          # chat, overhead, grpo (+ cbgen-noshare), mixed, long
+    cbgen bench --workloads long                  # one sequence at 2k/8k/max context vs its bounds
     cbgen bench --workloads chat --vllm-python ~/venvs/vllmcpu/bin/python
     cbgen bench --null-model                      # engine overhead only (stub model)
     cbgen bench --tiny --repeats 1 --no-isolate   # seconds-long smoke run
@@ -24,6 +25,7 @@ from typing import Any
 from cbgen.bench.engine_result import EngineResult
 from cbgen.bench.engine_settings import ENGINE_NAMES, MAX_NUM_BATCHED_TOKENS, MAX_NUM_SEQS, BenchOptions
 from cbgen.bench.logprob_check import check_cold, check_sampled
+from cbgen.bench.long_run import bench_long
 from cbgen.bench.matmul_ceiling import COLD_BYTES, best_ceiling, matmul_ceiling
 from cbgen.bench.report import failed, profile_breakdown, summarize, write_json
 from cbgen.bench.report_markdown import markdown
@@ -51,6 +53,7 @@ DEFAULT_ENGINES: dict[str, tuple[str, ...]] = {
     "overhead": ("cbgen", "hf-generate", "hf-cb"),
     "grpo": ("cbgen", "cbgen-noshare", "hf-generate", "hf-cb"),
     "mixed": ("cbgen", "hf-generate", "hf-cb"),
+    "long": ("cbgen", "hf-generate"),
 }
 EXIT_CHECK_FAILED = 3
 # Loads a model key once per run: (model, tokenizer).
@@ -220,6 +223,7 @@ class _Collected:
     profile: dict[str, Any] = field(default_factory=dict)
     step_records: dict[str, Any] = field(default_factory=dict)
     cold: dict[str, dict[str, Any]] = field(default_factory=dict)
+    long: dict[str, Any] | None = None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -255,7 +259,10 @@ def main(argv: list[str] | None = None) -> int:
 
     got = _Collected()
     for name, engines in plan:
-        _bench_workload(args, opts, name, engines, model_for, got)
+        if name == "long":
+            got.long = bench_long(args, engines, model_for)
+        else:
+            _bench_workload(args, opts, name, engines, model_for, got)
     null_rows = _null_model_rows(args, model_for) if args.null_model else None
     report = summarize(
         got.workloads,
@@ -268,6 +275,8 @@ def main(argv: list[str] | None = None) -> int:
         cold_start=got.cold if args.cold_start else None,
     )
     report["skipped"] = got.skipped
+    if got.long is not None:
+        report["long"] = got.long
     meta["loadavg_end"] = loadavg()
     text = _write_report(report, meta, got.step_records, args.out, stamp)
     print(text, flush=True)

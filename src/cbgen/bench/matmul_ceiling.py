@@ -74,9 +74,11 @@ def time_matmuls(
     return flops / seconds / 1e9
 
 
-def _best(
+def best_gemm(
     shapes: list[tuple[int, int]], rows: int, dtype: str, device: Any, budget_s: float, cold_bytes: int
 ) -> dict[str, Any]:
+    """The fastest GEMM candidate for ``rows`` rows through ``shapes`` in ``dtype``:
+    ``{"gflops", "gemm" (its name), "all" (every candidate's GFLOP/s, None if it does not serve)}``."""
     import torch
 
     from cbgen.model.gemm_choice import PLAIN, candidates
@@ -108,8 +110,8 @@ def matmul_ceiling(
     out: dict[str, Any] = {"decode_rows": decode_rows, "prefill_rows": prefill_rows}
     decode_shapes = [*dims.layer_linears, (dims.hidden_size, dims.vocab_size)]
     for dtype in ("float32", "bfloat16"):
-        decode = _best(decode_shapes, decode_rows, dtype, device, budget_s, cold_bytes)
-        prefill = _best(dims.layer_linears, prefill_rows, dtype, device, budget_s, cold_bytes)
+        decode = best_gemm(decode_shapes, decode_rows, dtype, device, budget_s, cold_bytes)
+        prefill = best_gemm(dims.layer_linears, prefill_rows, dtype, device, budget_s, cold_bytes)
         out[dtype] = {
             "decode_gflops": decode["gflops"],
             "prefill_gflops": prefill["gflops"],
@@ -133,4 +135,4 @@ def best_ceiling(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-__all__ = ["best_ceiling", "matmul_ceiling", "time_matmuls"]
+__all__ = ["best_ceiling", "best_gemm", "matmul_ceiling", "time_matmuls"]

@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from cbgen.bench.engine_settings import REFERENCE_ENGINE
+from cbgen.bench.long_context import long_markdown
 
 
 def _fmt(value: Any, spec: str = ".1f", none: str = "–") -> str:
@@ -116,6 +117,7 @@ def markdown(report: dict[str, Any]) -> str:
     lines += _null_model_table(report.get("null_model"))
     lines += _profile_table(report.get("profile"))
     lines += _workload_notes(report)
+    lines += long_markdown(report.get("long"))
     cold = cold_start_markdown(report)
     if cold:
         lines += [*cold, "### Throughput after warm-up (generate only)", ""]

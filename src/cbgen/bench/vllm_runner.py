@@ -104,6 +104,8 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
     llm = _start_llm(LLM, spec)
     marks["loaded"] = None  # inside LLM(), together with the engine start
     marks["engine_ready"] = time.time()
+    if spec.get("mode") == "long":
+        return {"requests": _one_at_a_time(llm, SamplingParams, spec), "settings": _settings(vllm, spec)}
     if not cold:
         warm = [{"prompt_token_ids": [17, 18, 19, 20, 21, 22, 23, 24]}, {"prompt_token_ids": [31, 32, 33]}]
         llm.generate(warm, [_params(SamplingParams, spec, 4, 1) for _ in warm], use_tqdm=False)
@@ -114,16 +116,45 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
         "runs": runs,
         "tokens": tokens,
         "peak_rss_bytes": peak_rss_tree(),
-        "settings": {
-            "vllm": getattr(vllm, "__version__", "?"),
-            **{k: os.environ.get(k) for k in ENV_DEFAULTS},
-            "LD_PRELOAD": os.environ.get("LD_PRELOAD", ""),
-            "max_num_batched_tokens": spec.get("max_num_batched_tokens", 2048),
-            "max_num_seqs": spec.get("max_num_seqs", 256),
-            "enable_prefix_caching": True,
-        },
+        "settings": _settings(vllm, spec),
         "notes": ["peak RSS: sum of VmHWM of the vLLM process and its engine-core children"],
     }
+
+
+def _settings(vllm: Any, spec: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "vllm": getattr(vllm, "__version__", "?"),
+        **{k: os.environ.get(k) for k in ENV_DEFAULTS},
+        "LD_PRELOAD": os.environ.get("LD_PRELOAD", ""),
+        "max_num_batched_tokens": spec.get("max_num_batched_tokens", 2048),
+        "max_num_seqs": spec.get("max_num_seqs", 256),
+        "enable_prefix_caching": True,
+    }
+
+
+def _one_at_a_time(llm: Any, params_class: Any, spec: dict[str, Any]) -> list[dict[str, Any]]:
+    """Each prompt alone through the engine's step loop (the ``long`` workload), after one short
+    warm-up request: its first-token time (seen when a step first returns a token) and its wall time.
+    vLLM's offline request metrics are empty unless stats logging is on, so the steps are watched."""
+    engine = llm.llm_engine
+    out = []
+    warm = [{"prompt_token_ids": [17, 18, 19, 20, 21, 22, 23, 24]}]
+    llm.generate(warm, [_params(params_class, spec, 4, 1)], use_tqdm=False)
+    for i, (prompt, max_tokens) in enumerate(zip(spec["prompts"], spec["max_tokens"])):
+        t0 = time.perf_counter()
+        engine.add_request(
+            f"long-{i}", {"prompt_token_ids": list(prompt)}, _params(params_class, spec, max_tokens, 1)
+        )
+        first, tokens = None, []
+        while engine.has_unfinished_requests():
+            for o in engine.step():
+                if first is None and o.outputs and len(o.outputs[0].token_ids):
+                    first = time.perf_counter() - t0
+                if o.finished:
+                    tokens = list(o.outputs[0].token_ids)
+        wall = time.perf_counter() - t0
+        out.append({"ttft_s": first if first is not None else wall, "wall_s": wall, "tokens": tokens})
+    return out
 
 
 def _start_llm(llm_class: Any, spec: dict[str, Any]) -> Any:

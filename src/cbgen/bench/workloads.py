@@ -19,7 +19,9 @@ from typing import Any
 
 import numpy as np
 
-WORKLOAD_NAMES: tuple[str, ...] = ("chat", "overhead", "grpo", "mixed")
+# ``long`` (one sequence at a time at long contexts) is run by :mod:`cbgen.bench.long_context`, not
+# built here.
+WORKLOAD_NAMES: tuple[str, ...] = ("chat", "overhead", "grpo", "mixed", "long")
 DEFAULT_SUITE: tuple[str, ...] = ("chat", "overhead")
 FULL_SUITE: tuple[str, ...] = WORKLOAD_NAMES
 
@@ -27,7 +29,13 @@ FULL_SUITE: tuple[str, ...] = WORKLOAD_NAMES
 # model: with prompts up to 1,024 and outputs up to 512 tokens, static batching would need a
 # 200 x 1,536-token fp32 cache (about 9 GiB for SmolLM2), and the point of the workload is scheduling
 # under heavy-tailed lengths, not model speed.
-DEFAULT_MODELS: dict[str, str] = {"chat": "smollm2", "overhead": "tiny", "grpo": "smollm2", "mixed": "tiny"}
+DEFAULT_MODELS: dict[str, str] = {
+    "chat": "smollm2",
+    "overhead": "tiny",
+    "grpo": "smollm2",
+    "mixed": "tiny",
+    "long": "smollm2",
+}
 
 TINY_CONFIG: dict[str, Any] = dict(
     vocab_size=512,
@@ -196,6 +204,8 @@ def build_workload(name: str, *, tiny: bool, model: str, vocab_size: int, tokeni
     """
     if name not in WORKLOAD_NAMES:
         raise ValueError(f"unknown workload {name!r}; choose from {', '.join(WORKLOAD_NAMES)}")
+    if name == "long":
+        raise ValueError("the long workload is run by cbgen.bench.long_context, one request at a time")
     if name in ("chat", "grpo") and (tokenizer is None or not getattr(tokenizer, "chat_template", None)):
         tokenizer = smollm2_tokenizer()
 

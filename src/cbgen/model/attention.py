@@ -163,8 +163,12 @@ class AttentionBackend:
                 total = seq.ctx_len + seq.q_len
                 ks = paged_ops.gather_kv(k_cache, seq.block_table[None], total)
                 vs = paged_ops.gather_kv(v_cache, seq.block_table[None], total)
-            mask = _prefill_mask(seq.q_len, seq.ctx_len, sliding_window, query.device)
-            res = paged_ops.attend(qs, ks, vs, mask, scale, softcap, is_causal=mask is None)
+            res = None
+            if seq.ctx_len and sliding_window is None and softcap is None:
+                res = paged_ops.attend_after_context(qs, ks, vs, seq.ctx_len, scale)
+            if res is None:
+                mask = _prefill_mask(seq.q_len, seq.ctx_len, sliding_window, query.device)
+                res = paged_ops.attend(qs, ks, vs, mask, scale, softcap, is_causal=mask is None)
             out[seq.q_start : end] = res[0].transpose(0, 1)
 
 

@@ -37,8 +37,12 @@ from cbgen.model.arg_checks import check_decode, check_rows, check_store
 log = logging.getLogger("cbgen")
 
 _CSRC = Path(__file__).parent / "csrc"
-_SOURCES = [_CSRC / name for name in ("cpu_paged.c", "cpu_fused.c", "cpu_gemm.c", "cpu_decoder.c")]
+_SOURCES = [
+    _CSRC / name for name in ("cpu_paged.c", "cpu_fused.c", "cpu_gemm.c", "cpu_decoder.c", "cpu_gemv.c")
+]
 _HEADERS = [_CSRC / "cbgen_numerics.h"]
+# Which decode-attention loops cbgen_paged_decode runs (its ``impl`` argument).
+IMPL_FAST, IMPL_PORTABLE, IMPL_AVX2 = 0, 1, 2
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=c11"]
 # CBGEN_SANITIZE=address: a separate build of the same sources (the flags are part of the cache key)
 # whose out-of-bounds accesses abort with a report.  The Python process must preload the runtime:
@@ -124,6 +128,7 @@ def _build() -> ctypes.CDLL:
     lib.cbgen_amx_init.argtypes = []
     lib.cbgen_decoder_step.argtypes = [ptr, ptr, i32, ptr, f32, *[ptr] * 10, i64, i64, ptr, ptr, i64, i64]
     lib.cbgen_decoder_step.argtypes += [i32, i32, i32, i64, i32, i64]
+    lib.cbgen_gemv.argtypes = [ptr, i64, ptr, i64, ptr, ptr, i64, i64, i64, i64, i32]
     lib.cbgen_decoder_layout.argtypes = [ctypes.POINTER(i64), ctypes.POINTER(i64)]
     lib.cbgen_decoder_layout.restype = ctypes.c_char_p
     for fn in (
@@ -134,6 +139,7 @@ def _build() -> ctypes.CDLL:
         lib.cbgen_amx_linear,
         lib.cbgen_amx_init,
         lib.cbgen_decoder_step,
+        lib.cbgen_gemv,
     ):
         fn.restype = i32
     return lib
@@ -187,9 +193,9 @@ def _decode_op(
     scale: float,
     window: int,
     softcap: float,
-    portable: bool,
+    impl: int,
 ) -> torch.Tensor:
-    return decode_direct(query, k_cache, v_cache, block_table, seq_lens, scale, window, softcap, portable)
+    return decode_direct(query, k_cache, v_cache, block_table, seq_lens, scale, window, softcap, impl)
 
 
 def decode_direct(
@@ -201,12 +207,13 @@ def decode_direct(
     scale: float,
     window: int,
     softcap: float,
-    portable: bool = False,
+    impl: int = IMPL_FAST,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The decode kernel without the custom-op layer: ``query [B, H, D]`` of the cache's dtype (heads
     contiguous, any row stride), int32 ``block_table``/``seq_lens``; ``window``/``softcap`` 0 = off.
-    ``portable`` forces the plain C loops instead of the AVX-512 ones (for tests).  ``out``: a
+    ``impl``: :data:`IMPL_FAST` (the fastest loops this build has), :data:`IMPL_PORTABLE` (the plain C
+    loops) or :data:`IMPL_AVX2` (the AVX2 loops even where AVX-512 ones exist); tests compare them.  ``out``: a
     contiguous ``[B, H, D]`` tensor to write into (default: a new one)."""
     check_decode(query, k_cache, v_cache, block_table, seq_lens)
     if query.dtype not in _DTYPES or query.dtype != k_cache.dtype or query.device.type != "cpu":
@@ -238,7 +245,7 @@ def decode_direct(
         window,
         softcap,
         _DTYPES[query.dtype],
-        1 if portable else 0,
+        int(impl),
     )
     if rc:
         raise _decode_error(rc)
@@ -256,7 +263,7 @@ def _decode_error(rc: int) -> Exception:
 
 
 @_decode_op.register_fake
-def _(query, k_cache, v_cache, block_table, seq_lens, scale, window, softcap, portable):
+def _(query, k_cache, v_cache, block_table, seq_lens, scale, window, softcap, impl):
     return torch.empty_like(query)
 
 
@@ -305,10 +312,10 @@ def paged_decode_attention(
     sliding_window: int | None = None,
     softcap: float | None = None,
     max_seq_len: int | None = None,
-    portable: bool = False,
+    impl: int = IMPL_FAST,
 ) -> torch.Tensor:
     """Same contract as :func:`cbgen.model.paged_ops.paged_decode_attention`, reading KV in place
-    (``portable``: see :func:`decode_direct`)."""
+    (``impl``: see :func:`decode_direct`)."""
     if query.dtype != k_cache.dtype or not supports(k_cache.dtype):
         return paged_ops.paged_decode_attention(
             query, k_cache, v_cache, block_table, seq_lens, scale, sliding_window, softcap, max_seq_len
@@ -322,7 +329,7 @@ def paged_decode_attention(
         float(scale),
         int(sliding_window or 0),
         float(softcap or 0.0),
-        bool(portable),
+        int(impl),
     )
 
 
@@ -455,6 +462,41 @@ def greedy_rows(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch
     if rc:
         raise MemoryError("cbgen_greedy_rows could not allocate its row buffer")
     return argmax, maxv, lse
+
+
+# The most rows cbgen_gemv takes (its x rows stay in L1 while a group of weight rows streams past).
+GEMV_MAX_ROWS = 8
+
+
+def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` for at most :data:`GEMV_MAX_ROWS` rows, reading ``weight``
+    (``[N, K]``, contiguous rows) once, straight from memory; float32 or bfloat16, all one dtype."""
+    rows, k = x.shape
+    dtype = _dtype_of(x)
+    if not 1 <= rows <= GEMV_MAX_ROWS:
+        raise ValueError(f"cbgen_gemv takes 1-{GEMV_MAX_ROWS} rows, got {rows}")
+    n = weight.shape[0]
+    check_rows("x", x, rows, k, dtype)
+    check_rows("weight", weight, n, k, dtype)
+    if bias is not None:
+        check_rows("bias", bias.view(1, -1), 1, n, dtype)
+    out = torch.empty(rows, n, dtype=dtype)
+    rc = _lib.cbgen_gemv(
+        x.data_ptr(),
+        x.stride(0),
+        weight.data_ptr(),
+        weight.stride(0),
+        None if bias is None else bias.data_ptr(),
+        out.data_ptr(),
+        n,
+        rows,
+        n,
+        k,
+        _DTYPES[dtype],
+    )
+    if rc:
+        raise ValueError(f"cbgen_gemv rejected its sizes (rows {rows}, N {n}, K {k})")
+    return out
 
 
 def _dtype_of(t: torch.Tensor) -> torch.dtype:

@@ -8,16 +8,20 @@ projection weights, once per machine, and remembers the answer on disk.
 * Candidates (:func:`candidates`): ``plain`` (``F.linear`` on the user's weight, no copy),
   ``mkl_packed`` (float32; MKL's GEMM on a copy packed for one row count, which it only serves at
   that count), ``onednn_packed`` (oneDNN on a reordered copy, any row count; float32, and bfloat16
-  where oneDNN has a bf16 path) and ``amx`` (bfloat16, our AMX kernel, where the CPU has AMX).  A
+  where oneDNN has a bf16 path), ``amx`` (bfloat16, our AMX kernel, where the CPU has AMX) and
+  ``gemv`` (float32 and bfloat16, our C kernel for single rows, where the C kernels build).  A
   candidate that fails on a small probe is dropped.
-* Row classes: ``decode`` steps (at most ``SPLIT_ROWS`` rows, timed at ``DECODE_ROWS``) and
-  ``prefill`` steps (more rows, timed at ``PREFILL_ROWS``).  Each gets its own winner.
+* Row classes: ``single`` steps (one row: a sequence decoding alone), ``decode`` steps (at most
+  ``SPLIT_ROWS`` rows, timed at ``DECODE_ROWS``) and ``prefill`` steps (more rows, timed at
+  ``PREFILL_ROWS``).  Each gets its own winner.  At one row a step only streams weights, and the
+  GEMMs built for many rows streamed them at half the memory bandwidth on an AMD EPYC; ``gemv``
+  (our C kernel, no copy of the weight) competes there.
 * Timing (:func:`time_candidate`) cycles through several layers' distinct weights, so the weights
   arrive from memory as they do in a step rather than hot in cache.
 * The answer is cached in ``<kernel dir>/gemm-choice.json``, keyed by CPU model and flags, torch
   version, dtype, the projection shapes and the row counts: a second start costs nothing, and a
   cache written on another CPU is never read.  ``CBGEN_GEMM`` overrides it
-  (``decode=NAME,prefill=NAME``, or one name for both).
+  (``single=NAME,decode=NAME,prefill=NAME``, or one name for all).
 """
 
 from __future__ import annotations
@@ -39,13 +43,16 @@ from cbgen import envs
 
 log = logging.getLogger("cbgen")
 
+SINGLE_ROWS = 1  # the single class is timed at one row (one sequence decoding alone)
+SINGLE_MAX_ROWS = 1  # steps of one row use the single winner (gemv lost to oneDNN at 4 rows)
 DECODE_ROWS = 64  # MKL's packed GEMM is packed for this row count (oneDNN's hint too)
 PREFILL_ROWS = 1024
 SPLIT_ROWS = 256  # steps with more rows than this use the prefill winner
 AMX_MAX_ROWS = 4096  # above this torch's own bf16 GEMM beats the AMX kernel even with cold weights
 # Packed copies made for one timing: at least two layers, at most this many bytes.
 _TIMING_BYTES = 256 << 20
-ROW_CLASSES = ("decode", "prefill")
+ROW_CLASSES = ("single", "decode", "prefill")
+ROWS = {"single": SINGLE_ROWS, "decode": DECODE_ROWS, "prefill": PREFILL_ROWS}
 
 
 @dataclass(frozen=True)
@@ -98,6 +105,22 @@ def _amx() -> Candidate:
     return Candidate("amx", pack, apply)
 
 
+def _gemv() -> Candidate:
+    from cbgen.model import cpu_kernels
+
+    if not cpu_kernels.available():
+        raise RuntimeError(f"the C kernels did not build: {cpu_kernels.unavailable_reason()}")
+
+    def apply(x, packed, weight, bias):
+        if x.shape[0] > SINGLE_MAX_ROWS or x.dtype != packed.dtype:
+            return None
+        return cpu_kernels.gemv(x, packed, bias)
+
+    # The "packed" weight is the weight itself (a single projection's own tensor: no copy) or the
+    # concatenation PackedLinears makes for a group (q/k/v, gate/up), so one call covers the group.
+    return Candidate("gemv", lambda w: w, apply)
+
+
 def candidates(dtype: torch.dtype) -> dict[str, Candidate]:
     """The GEMMs this torch build and CPU can run for ``dtype``, each checked on a small probe."""
     found = {"plain": PLAIN}
@@ -113,12 +136,15 @@ def candidates(dtype: torch.dtype) -> dict[str, Candidate]:
 
         if cpu_amx.amx_available():
             makers.append(_amx)
+    if dtype in (torch.float32, torch.bfloat16):
+        makers.append(_gemv)
     gen = torch.Generator().manual_seed(0)  # never the global RNG: a trainer's seeds stay its own
     weight = torch.randn(64, 64, generator=gen).to(dtype)
-    x = torch.randn(DECODE_ROWS, 64, generator=gen).to(dtype)
     for make in makers:
         try:
             cand = make()
+            rows = SINGLE_ROWS if cand.name == "gemv" else DECODE_ROWS
+            x = torch.randn(rows, 64, generator=gen).to(dtype)
             out = cand.apply(x, cand.pack(weight), weight, None)
             if out is not None and not torch.allclose(
                 out.float(), F.linear(x, weight).float(), atol=0.1, rtol=0.05
@@ -133,21 +159,29 @@ def candidates(dtype: torch.dtype) -> dict[str, Candidate]:
 
 @dataclass(frozen=True)
 class GemmPlan:
-    """The winner of each row class; ``timings`` (seconds per timed cycle) when it was measured."""
+    """The winner of each row class; ``timings`` (seconds per timed cycle) when it was measured.
+    ``single`` defaults to the decode winner."""
 
     decode: Candidate
     prefill: Candidate
     timings: dict | None = None
     source: str = "default"
+    single: Candidate | None = None
 
     def for_rows(self, rows: int) -> Candidate:
         """The candidate for a step of ``rows`` rows."""
+        if rows <= SINGLE_MAX_ROWS and self.single is not None:
+            return self.single
         return self.decode if rows <= SPLIT_ROWS else self.prefill
 
     @property
     def packs(self) -> tuple[Candidate, ...]:
-        """The candidates that need a packed copy (one or two)."""
-        distinct = {c.name: c for c in (self.decode, self.prefill) if c.pack is not None}
+        """The candidates that need a packed copy (one to three)."""
+        distinct = {
+            c.name: c
+            for c in (self.single, self.decode, self.prefill)
+            if c is not None and c.pack is not None
+        }
         return tuple(distinct.values())
 
 
@@ -185,8 +219,8 @@ def time_candidate(
 
 
 # Raised when the way of measuring changes, so choices cached by an older way are measured again
-# (2: candidates take turns).
-_MEASUREMENT_VERSION = 2
+# (2: candidates take turns; 3: the single row class).
+_MEASUREMENT_VERSION = 3
 # How many turns each candidate gets (see choose).
 TIMING_ROUNDS = 3
 
@@ -216,7 +250,7 @@ def cache_key(dtype: torch.dtype, shapes: Sequence[tuple[int, int]]) -> str:
     """Identifies a measurement: CPU model and flags, torch version and threads, dtype, shapes, rows."""
     text = (
         f"v{_MEASUREMENT_VERSION}|{_cpu_key()}|torch={torch.__version__}|{dtype}|{sorted(set(shapes))}|"
-        f"{DECODE_ROWS},{PREFILL_ROWS}"
+        f"{SINGLE_ROWS},{DECODE_ROWS},{PREFILL_ROWS}"
     )
     return hashlib.sha256(text.encode()).hexdigest()[:24]
 
@@ -233,10 +267,17 @@ def _override(found: dict[str, Candidate]) -> GemmPlan | None:
     names = dict(part.split("=", 1) if "=" in part else (None, part) for part in text.split(","))
     decode = names.get("decode", names.get(None, "plain"))
     prefill = names.get("prefill", names.get(None, "plain"))
-    missing = [n for n in (decode, prefill) if n not in found]
+    # One name for everything, or decode=..., also covers single rows unless single= says otherwise;
+    # gemv alone would leave the bigger classes nothing, so they stay plain then.
+    single = names.get("single", names.get(None, decode))
+    if decode == "gemv":
+        decode = "plain"
+    if prefill == "gemv":
+        prefill = "plain"
+    missing = [n for n in (single, decode, prefill) if n not in found]
     if missing:
         raise ValueError(f"CBGEN_GEMM names {missing}, not among this machine's GEMMs {sorted(found)}")
-    return GemmPlan(found[decode], found[prefill], source="CBGEN_GEMM")
+    return GemmPlan(found[decode], found[prefill], source="CBGEN_GEMM", single=found[single])
 
 
 def choose(
@@ -259,7 +300,13 @@ def choose(
     stored = _read(path)
     entry = stored.get(key)
     if entry is not None and all(entry.get(c) in found for c in ROW_CLASSES):
-        return GemmPlan(found[entry["decode"]], found[entry["prefill"]], entry.get("timings"), "cache")
+        return GemmPlan(
+            found[entry["decode"]],
+            found[entry["prefill"]],
+            entry.get("timings"),
+            "cache",
+            found[entry["single"]],
+        )
     timing_layers = _timing_layers(make_layers())
     timings: dict[str, dict[str, float | None]] = {}
     winners = {}
@@ -267,8 +314,9 @@ def choose(
     # the cache; prefill GEMMs reuse each weight across 1,024 rows and are compute-bound, so two
     # layers time them as well at a fraction of the cost (the first start of SmolLM2 spent ~50 s
     # timing prefill over seven layers).
-    layers_for = {"decode": timing_layers, "prefill": timing_layers[:2]}
-    for row_class, rows in (("decode", DECODE_ROWS), ("prefill", PREFILL_ROWS)):
+    layers_for = {"single": timing_layers, "decode": timing_layers, "prefill": timing_layers[:2]}
+    for row_class in ROW_CLASSES:
+        rows = ROWS[row_class]
         # Candidates take turns, and each keeps its best round: a burst of load from other jobs then
         # slows one round of every candidate instead of all rounds of one (timed one after another,
         # a busy moment once made plain F.linear look 3x faster than packed MKL, which is 3% faster).
@@ -284,8 +332,14 @@ def choose(
         winners[row_class] = min(usable, key=usable.get)
     stored[key] = {**winners, "timings": timings, "cpu": _cpu_key().split("|")[1], "dtype": str(dtype)}
     _write(path, stored)
-    log.info("cbgen: projection GEMMs measured here: decode %s, prefill %s (%s)", *winners.values(), timings)
-    return GemmPlan(found[winners["decode"]], found[winners["prefill"]], timings, "measured")
+    log.info(
+        "cbgen: projection GEMMs measured here: single %s, decode %s, prefill %s (%s)",
+        *winners.values(),
+        timings,
+    )
+    return GemmPlan(
+        found[winners["decode"]], found[winners["prefill"]], timings, "measured", found[winners["single"]]
+    )
 
 
 def _read(path: Path) -> dict:

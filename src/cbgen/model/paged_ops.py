@@ -73,6 +73,30 @@ def hide_masked(
     return keys.masked_fill(hidden, 0.0), values.masked_fill(hidden, 0.0)
 
 
+def attend_after_context(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, ctx_len: int, scale: float
+) -> torch.Tensor | None:
+    """Causal attention of a prefill chunk (``query [1, H, Q, D]``) whose first query sits after
+    ``ctx_len`` earlier tokens (``key``/``value`` ``[1, Hkv, ctx_len + Q, D]``), on the CPU: two
+    flash-attention calls, the context fully visible and the chunk causal, merged by their
+    log-sum-exps.  One call with the offset causal mask measured 20-35% slower (SmolLM2, 2,048-token
+    chunks at 2k-6k of context, AMD EPYC): the explicit mask is read for every block and no block
+    of it is skipped.  None when this torch lacks the op (the caller then masks)."""
+    op = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+    if op is None or query.device.type != "cpu":
+        return None
+    groups = query.shape[1] // key.shape[1]
+    if groups > 1:
+        key = key.repeat_interleave(groups, dim=1)
+        value = value.repeat_interleave(groups, dim=1)
+    past, past_lse = op(query, key[:, :, :ctx_len], value[:, :, :ctx_len], 0.0, False, scale=scale)
+    own, own_lse = op(query, key[:, :, ctx_len:], value[:, :, ctx_len:], 0.0, True, scale=scale)
+    top = torch.maximum(past_lse, own_lse)
+    w_past, w_own = (past_lse - top).exp(), (own_lse - top).exp()
+    merged = (past.float() * w_past[..., None] + own.float() * w_own[..., None]) / (w_past + w_own)[..., None]
+    return merged.to(query.dtype)
+
+
 def attend(
     query: torch.Tensor,
     key: torch.Tensor,

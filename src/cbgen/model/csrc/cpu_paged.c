@@ -22,6 +22,7 @@
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <omp.h>
 #include <string.h>
 
 #include "cbgen_numerics.h"
@@ -39,15 +40,18 @@ static inline const float *as_f32(const void *base, int64_t off, int n, int dtyp
     return buf;
 }
 
-/* Attention of row b's new token, query heads of kv heads [h0, h1).  Tokens are walked block by
- * block, and every head of a token is read in one contiguous run, so the cache streams in order. */
-static void decode_task(const void *q, int64_t qs, const void *kc, const void *vc, const int32_t *table, int64_t n,
-                        int64_t b, int h0, int h1, int H, int Hkv, int D, int bs, float scale,
-                        int64_t window, float softcap, int dtype, void *out, float *ws, int64_t cap) {
+/* One task's share of the attention of row b's new token: query heads of kv heads [h0, h1) over the
+ * context tokens [j0, j1).  It leaves softmax unnormalised: part holds the R running maxima, the R
+ * sums of exp(score - max) and the R x D weighted value sums, so the tasks that split one row's
+ * context can be merged (merge_parts).  Tokens are walked block by block, and every head of a token
+ * is read in one contiguous run, so the cache streams in order. */
+static void decode_task(const void *q, int64_t qs, const void *kc, const void *vc, const int32_t *table, int64_t j0,
+                        int64_t j1, int64_t b, int h0, int h1, int H, int Hkv, int D, int bs, float scale,
+                        float softcap, int dtype, float *part, float *ws, int64_t cap) {
     const int G = H / Hkv, nh = h1 - h0, R = nh * G; /* R query heads in this task */
     const int64_t tok_stride = (int64_t)Hkv * D;
-    const int64_t start = (window > 0 && n > window) ? n - window : 0;
-    float *qf = ws, *acc = qf + (size_t)R * D, *rowbuf = acc + (size_t)R * D, *scores = rowbuf + (size_t)nh * D;
+    float *qf = ws, *rowbuf = qf + (size_t)R * D, *scores = rowbuf + (size_t)nh * D;
+    float *acc = part + 2 * R;
     const float *qsrc = as_f32(q, b * qs + (int64_t)h0 * G * D, R * D, dtype, qf);
     for (int i = 0; i < R * D; ++i) qf[i] = qsrc[i] * scale;
     int kv_of[512];
@@ -56,8 +60,8 @@ static void decode_task(const void *q, int64_t qs, const void *kc, const void *v
     for (int pass = 0; pass < 2; ++pass) {
         const void *cache = pass == 0 ? kc : vc;
         if (pass == 1) memset(acc, 0, sizeof(float) * (size_t)R * D);
-        for (int64_t j = start; j < n;) {
-            const int64_t off = j % bs, cnt = (bs - off) < (n - j) ? (bs - off) : (n - j);
+        for (int64_t j = j0; j < j1;) {
+            const int64_t off = j % bs, cnt = (bs - off) < (j1 - j) ? (bs - off) : (j1 - j);
             const int64_t first = ((int64_t)table[j / bs] * bs + off) * tok_stride + (int64_t)h0 * D;
             for (int64_t t = 0; t < cnt; ++t, ++j) {
                 const float *row = as_f32(cache, first + t * tok_stride, nh * D, dtype, rowbuf);
@@ -71,9 +75,9 @@ static void decode_task(const void *q, int64_t qs, const void *kc, const void *v
 #pragma omp simd reduction(+ : s)
                         for (int d = 0; d < D; ++d) s += qr[d] * x[d];
                         if (softcap > 0.f) s = tanhf(s / softcap) * softcap;
-                        scores[(size_t)r * cap + (j - start)] = s;
+                        scores[(size_t)r * cap + (j - j0)] = s;
                     } else {
-                        const float p = scores[(size_t)r * cap + (j - start)];
+                        const float p = scores[(size_t)r * cap + (j - j0)];
                         float *ar = acc + (size_t)r * D;
 #pragma omp simd
                         for (int d = 0; d < D; ++d) ar[d] += p * x[d];
@@ -82,7 +86,7 @@ static void decode_task(const void *q, int64_t qs, const void *kc, const void *v
             }
         }
         if (pass == 0) {
-            const int64_t L = n - start;
+            const int64_t L = j1 - j0;
             for (int r = 0; r < R; ++r) {
                 float *sr = scores + (size_t)r * cap;
                 float m = -INFINITY, sum = 0.f;
@@ -93,32 +97,28 @@ static void decode_task(const void *q, int64_t qs, const void *kc, const void *v
                     sr[i] = exp_approx(sr[i] - m);
                     sum += sr[i];
                 }
-                const float inv = 1.f / sum;
-#pragma omp simd
-                for (int64_t i = 0; i < L; ++i) sr[i] *= inv;
+                part[r] = m;
+                part[R + r] = sum;
             }
         }
-    }
-    const int64_t o = (b * H + (int64_t)h0 * G) * D;
-    if (dtype == 0) {
-        memcpy((float *)out + o, acc, sizeof(float) * (size_t)R * D);
-    } else {
-        for (int i = 0; i < R * D; ++i) ((uint16_t *)out)[o + i] = f32_to_bf16(acc[i]);
     }
 }
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
 
-/* In place: s = softmax(s) over n values. */
-static inline void softmax16(float *s, int64_t n) {
+/* In place: s = exp(s - max s) over n values; returns the max and the sum of the exponentials. */
+static inline void expsum16(float *s, int64_t n, float *max_out, float *sum_out) {
+    *max_out = -INFINITY;
+    *sum_out = 0.f;
     if (n <= 0) return;
     __m512 mv = _mm512_set1_ps(-INFINITY);
     int64_t i = 0;
     for (; i + 16 <= n; i += 16) mv = _mm512_max_ps(mv, _mm512_loadu_ps(s + i));
     const __mmask16 tail = (__mmask16)((1u << (n - i)) - 1u);
     if (n - i) mv = _mm512_mask_max_ps(mv, tail, mv, _mm512_maskz_loadu_ps(tail, s + i));
-    const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(mv));
+    const float mx = _mm512_reduce_max_ps(mv);
+    const __m512 m = _mm512_set1_ps(mx);
     __m512 sum = _mm512_setzero_ps();
     for (i = 0; i + 16 <= n; i += 16) {
         const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(s + i), m));
@@ -130,9 +130,8 @@ static inline void softmax16(float *s, int64_t n) {
         _mm512_mask_storeu_ps(s + i, tail, e);
         sum = _mm512_add_ps(sum, _mm512_maskz_mov_ps(tail, e));
     }
-    const __m512 inv = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(sum));
-    for (i = 0; i + 16 <= n; i += 16) _mm512_storeu_ps(s + i, _mm512_mul_ps(_mm512_loadu_ps(s + i), inv));
-    if (n - i) _mm512_mask_storeu_ps(s + i, tail, _mm512_mul_ps(_mm512_maskz_loadu_ps(tail, s + i), inv));
+    *max_out = mx;
+    *sum_out = _mm512_reduce_add_ps(sum);
 }
 
 /* r[j] = sum of v[j]'s 16 lanes, for 16 vectors at once: an add tree over in-register transposes
@@ -159,9 +158,9 @@ static inline __attribute__((always_inline)) __m512 hsum16x16(const __m512 v[16]
  * head's output accumulator in registers through a block.  No division per token or block.
  * ws: R*D scaled queries, R*D accumulators, R*cap scores (R = the task's query heads). */
 static inline __attribute__((always_inline)) void decode_task_avx512(
-    const void *q, int64_t qs, const void *kc, const void *vc, const int32_t *table, int64_t n, int64_t b, int h0,
-    int h1, int H, int Hkv, const int D, int bs, float scale, int64_t window, float softcap, const int dtype,
-    void *out, float *ws, int64_t cap) {
+    const void *q, int64_t qs, const void *kc, const void *vc, const int32_t *table, int64_t j0, int64_t j1,
+    int64_t b, int h0, int h1, int H, int Hkv, const int D, int bs, float scale, float softcap, const int dtype,
+    float *part, float *ws, int64_t cap) {
     const int G = H / Hkv, nv = D / 16, R = (h1 - h0) * G; /* R query heads in this task */
 #if defined(__AVX512BF16__)
     const int pairs = dtype == 1 && D % 32 == 0;
@@ -169,9 +168,8 @@ static inline __attribute__((always_inline)) void decode_task_avx512(
     const int pairs = 0;
 #endif
     const int64_t tok_stride = (int64_t)Hkv * D, esize = dtype == 0 ? 4 : 2;
-    const int64_t start = (window > 0 && n > window) ? n - window : 0, L = n - start;
-    const int64_t q0 = (b * H + (int64_t)h0 * G) * D, qo = b * qs + (int64_t)h0 * G * D;
-    float *qf = ws, *acc = ws + (size_t)R * D, *scores = acc + (size_t)R * D; /* scores: R rows of cap */
+    const int64_t L = j1 - j0, qo = b * qs + (int64_t)h0 * G * D;
+    float *qf = ws, *scores = ws + (size_t)2 * R * D, *acc = part + 2 * R; /* scores: R rows of cap */
     if (!pairs)
         for (int r = 0; r < R; ++r)
             for (int i = 0; i < nv; ++i)
@@ -183,12 +181,12 @@ static inline __attribute__((always_inline)) void decode_task_avx512(
     for (int pass = 0; pass < 2; ++pass) {
         const void *cache = pass == 0 ? kc : vc;
         const int64_t span = (int64_t)(h1 - h0) * D * esize; /* bytes of this task's heads per token */
-        for (int64_t j = start, blk = start / bs, off = start % bs; j < n; ++blk, off = 0) {
-            const int64_t cnt = (bs - off) < (n - j) ? (bs - off) : (n - j);
+        for (int64_t j = j0, blk = j0 / bs, off = j0 % bs; j < j1; ++blk, off = 0) {
+            const int64_t cnt = (bs - off) < (j1 - j) ? (bs - off) : (j1 - j);
             const int64_t first = ((int64_t)table[blk] * bs + off) * tok_stride;
-            if (j + cnt < n) {
+            if (j + cnt < j1) {
                 const char *nxt = (const char *)cache + ((int64_t)table[blk + 1] * bs * tok_stride + (int64_t)h0 * D) * esize;
-                const int64_t ncnt = (n - j - cnt) < bs ? (n - j - cnt) : bs;
+                const int64_t ncnt = (j1 - j - cnt) < bs ? (j1 - j - cnt) : bs;
                 for (int64_t t = 0; t < ncnt; ++t)
                     for (int64_t c = 0; c < span; c += 64) _mm_prefetch(nxt + t * tok_stride * esize + c, _MM_HINT_T0);
             }
@@ -220,7 +218,7 @@ static inline __attribute__((always_inline)) void decode_task_avx512(
                         }
                         __m512 sc = hsum16x16(sv);
                         if (pairs) sc = _mm512_mul_ps(sc, _mm512_set1_ps(scale));
-                        float *sg = scores + (size_t)r * cap + (j - start) + t0;
+                        float *sg = scores + (size_t)r * cap + (j - j0) + t0;
                         _mm512_mask_storeu_ps(sg, (__mmask16)((1u << m) - 1u), sc);
                         if (softcap > 0.f)
                             for (int t = 0; t < m; ++t) sg[t] = tanhf(sg[t] / softcap) * softcap;
@@ -229,7 +227,7 @@ static inline __attribute__((always_inline)) void decode_task_avx512(
             } else {
                 for (int r = 0; r < R; ++r) {
                     const int64_t hd = (int64_t)(h0 + r / G) * D;
-                    const float *pg = scores + (size_t)r * cap + (j - start);
+                    const float *pg = scores + (size_t)r * cap + (j - j0);
                     float *ar = acc + r * D;
                     if (nv <= 4) {
                         /* Small heads: four accumulator sets over alternating tokens, so the FMA
@@ -268,23 +266,18 @@ static inline __attribute__((always_inline)) void decode_task_avx512(
             j += cnt;
         }
         if (pass == 0) {
-            for (int r = 0; r < R; ++r) softmax16(scores + (size_t)r * cap, L);
+            for (int r = 0; r < R; ++r) expsum16(scores + (size_t)r * cap, L, part + r, part + R + r);
             memset(acc, 0, sizeof(float) * (size_t)R * D);
         }
-    }
-    if (dtype == 0) {
-        memcpy((float *)out + q0, acc, sizeof(float) * (size_t)R * D);
-    } else {
-        for (int i = 0; i < R * D; ++i) ((uint16_t *)out)[q0 + i] = f32_to_bf16(acc[i]);
     }
 }
 
 /* Specialised copies for the common head sizes and both dtypes, so the D loops unroll. */
-static void decode_task_fast(const void *q, int64_t qs, const void *kc, const void *vc, const int32_t *table, int64_t n,
-                             int64_t b, int h0, int h1, int H, int Hkv, int D, int bs, float scale,
-                             int64_t window, float softcap, int dtype, void *out, float *ws, int64_t cap) {
+static void decode_task_fast(const void *q, int64_t qs, const void *kc, const void *vc, const int32_t *table, int64_t j0,
+                             int64_t j1, int64_t b, int h0, int h1, int H, int Hkv, int D, int bs, float scale,
+                             float softcap, int dtype, float *part, float *ws, int64_t cap) {
 #define CB_CALL(DD, DT) \
-    decode_task_avx512(q, qs, kc, vc, table, n, b, h0, h1, H, Hkv, DD, bs, scale, window, softcap, DT, out, ws, cap)
+    decode_task_avx512(q, qs, kc, vc, table, j0, j1, b, h0, h1, H, Hkv, DD, bs, scale, softcap, DT, part, ws, cap)
     if (dtype == 0) {
         if (D == 64) CB_CALL(64, 0);
         else if (D == 128) CB_CALL(128, 0);
@@ -305,6 +298,187 @@ static void decode_task_fast(const void *q, int64_t qs, const void *kc, const vo
 #define CB_HAVE_FAST 0
 #endif
 
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+
+/* 8 elements as float32 (bfloat16 widened by a shift).  dtype 0 = float32, 1 = bf16. */
+static inline __attribute__((always_inline)) __m256 ld8(const void *base, int64_t off, const int dtype) {
+    if (dtype == 0) return _mm256_loadu_ps((const float *)base + off);
+    const __m128i h = _mm_loadu_si128((const __m128i *)((const uint16_t *)base + off));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+/* r[j] = sum of v[j]'s 8 lanes, for 8 vectors at once (two rounds of hadd, then the two halves). */
+static inline __attribute__((always_inline)) __m256 hsum8x8(const __m256 v[8]) {
+    const __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
+    const __m256 u1 = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
+    return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+
+/* exp_approx on 8 lanes; 2^k built in the exponent field (k stays within [-126, 127] after the clamp). */
+static inline __m256 exp8(__m256 x) {
+    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.0f)), _mm256_set1_ps(88.0f));
+    const __m256 t = _mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f));
+    const __m256 k = _mm256_round_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m256 f = _mm256_mul_ps(_mm256_sub_ps(t, k), _mm256_set1_ps(0.69314718055994531f));
+    __m256 p = _mm256_set1_ps(1.0f / 720.0f);
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f / 120.0f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f / 24.0f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f / 6.0f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(0.5f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f));
+    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(k), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
+/* decode_task for D % 8 == 0 (D <= 256) with AVX2 + FMA: the AVX-512 loops' structure at 8 lanes
+ * (scores 8 tokens at a time, reduced together; a head's value accumulators in registers through a
+ * block).  On a CPU without AVX-512 the portable loops ran at ~2 GB/s of KV, a tenth of the memory
+ * bandwidth, which made an 8k-token decode step mostly attention.  ws: R*D scaled queries, then R*cap
+ * scores. */
+static inline __attribute__((always_inline)) void decode_task_avx2(
+    const void *q, int64_t qs, const void *kc, const void *vc, const int32_t *table, int64_t j0, int64_t j1,
+    int64_t b, int h0, int h1, int H, int Hkv, const int D, int bs, float scale, float softcap, const int dtype,
+    float *part, float *ws, int64_t cap) {
+    const int G = H / Hkv, nv = D / 8, R = (h1 - h0) * G;
+    const int64_t tok_stride = (int64_t)Hkv * D, esize = dtype == 0 ? 4 : 2, L = j1 - j0;
+    const int64_t qo = b * qs + (int64_t)h0 * G * D;
+    float *qf = ws, *scores = ws + (size_t)R * D, *acc = part + 2 * R;
+    for (int r = 0; r < R; ++r)
+        for (int i = 0; i < nv; ++i)
+            _mm256_storeu_ps(qf + r * D + i * 8, _mm256_mul_ps(ld8(q, qo + r * D + i * 8, dtype), _mm256_set1_ps(scale)));
+    for (int pass = 0; pass < 2; ++pass) {
+        const void *cache = pass == 0 ? kc : vc;
+        const int64_t span = (int64_t)(h1 - h0) * D * esize;
+        for (int64_t j = j0, blk = j0 / bs, off = j0 % bs; j < j1; ++blk, off = 0) {
+            const int64_t cnt = (bs - off) < (j1 - j) ? (bs - off) : (j1 - j);
+            const int64_t first = ((int64_t)table[blk] * bs + off) * tok_stride;
+            if (j + cnt < j1) { /* the next block's address is a table lookup: no prefetcher guesses it */
+                const char *nxt = (const char *)cache + ((int64_t)table[blk + 1] * bs * tok_stride + (int64_t)h0 * D) * esize;
+                const int64_t ncnt = (j1 - j - cnt) < bs ? (j1 - j - cnt) : bs;
+                for (int64_t t = 0; t < ncnt; ++t)
+                    for (int64_t c = 0; c < span; c += 64) _mm_prefetch(nxt + t * tok_stride * esize + c, _MM_HINT_T0);
+            }
+            if (pass == 0) {
+                for (int64_t t0 = 0; t0 < cnt; t0 += 8) {
+                    const int m = (cnt - t0) < 8 ? (int)(cnt - t0) : 8;
+                    int64_t row[8]; /* rows past the block's end repeat its last row; their lanes are dropped */
+                    for (int t = 0; t < 8; ++t) row[t] = first + (t0 + (t < m ? t : m - 1)) * tok_stride;
+                    for (int r = 0; r < R; ++r) {
+                        const int64_t hd = (int64_t)(h0 + r / G) * D;
+                        __m256 sv[8];
+                        for (int t = 0; t < 8; ++t) sv[t] = _mm256_setzero_ps();
+                        for (int i = 0; i < nv; ++i) {
+                            const __m256 qv = _mm256_loadu_ps(qf + r * D + i * 8);
+                            for (int t = 0; t < 8; ++t) sv[t] = _mm256_fmadd_ps(qv, ld8(kc, row[t] + hd + i * 8, dtype), sv[t]);
+                        }
+                        float *sg = scores + (size_t)r * cap + (j - j0) + t0;
+                        if (m == 8 && !(softcap > 0.f)) {
+                            _mm256_storeu_ps(sg, hsum8x8(sv));
+                        } else {
+                            float sc[8];
+                            _mm256_storeu_ps(sc, hsum8x8(sv));
+                            for (int t = 0; t < m; ++t) sg[t] = softcap > 0.f ? tanhf(sc[t] / softcap) * softcap : sc[t];
+                        }
+                    }
+                }
+            } else {
+                for (int r = 0; r < R; ++r) {
+                    const int64_t hd = (int64_t)(h0 + r / G) * D;
+                    const float *pg = scores + (size_t)r * cap + (j - j0);
+                    float *ar = acc + r * D;
+                    if (nv <= 4) {
+                        /* Two accumulator sets over alternating tokens: one set's FMA latency chain
+                         * would bound a small head. */
+                        __m256 a[2][4];
+                        for (int i = 0; i < nv; ++i) {
+                            a[0][i] = _mm256_loadu_ps(ar + i * 8);
+                            a[1][i] = _mm256_setzero_ps();
+                        }
+                        int64_t t = 0;
+                        for (; t + 2 <= cnt; t += 2)
+                            for (int u = 0; u < 2; ++u) {
+                                const int64_t o = first + (t + u) * tok_stride + hd;
+                                const __m256 pv = _mm256_set1_ps(pg[t + u]);
+                                for (int i = 0; i < nv; ++i) a[u][i] = _mm256_fmadd_ps(pv, ld8(vc, o + i * 8, dtype), a[u][i]);
+                            }
+                        for (; t < cnt; ++t) {
+                            const int64_t o = first + t * tok_stride + hd;
+                            const __m256 pv = _mm256_set1_ps(pg[t]);
+                            for (int i = 0; i < nv; ++i) a[0][i] = _mm256_fmadd_ps(pv, ld8(vc, o + i * 8, dtype), a[0][i]);
+                        }
+                        for (int i = 0; i < nv; ++i) _mm256_storeu_ps(ar + i * 8, _mm256_add_ps(a[0][i], a[1][i]));
+                    } else if (nv <= 16) { /* one set in registers: nv independent chains already */
+                        __m256 a[16];
+                        for (int i = 0; i < nv; ++i) a[i] = _mm256_loadu_ps(ar + i * 8);
+                        for (int64_t t = 0; t < cnt; ++t) {
+                            const int64_t o = first + t * tok_stride + hd;
+                            const __m256 pv = _mm256_set1_ps(pg[t]);
+                            for (int i = 0; i < nv; ++i) a[i] = _mm256_fmadd_ps(pv, ld8(vc, o + i * 8, dtype), a[i]);
+                        }
+                        for (int i = 0; i < nv; ++i) _mm256_storeu_ps(ar + i * 8, a[i]);
+                    } else {
+                        for (int64_t t = 0; t < cnt; ++t) {
+                            const int64_t o = first + t * tok_stride + hd;
+                            const __m256 pv = _mm256_set1_ps(pg[t]);
+                            for (int i = 0; i < nv; ++i)
+                                _mm256_storeu_ps(ar + i * 8, _mm256_fmadd_ps(pv, ld8(vc, o + i * 8, dtype), _mm256_loadu_ps(ar + i * 8)));
+                        }
+                    }
+                }
+            }
+            j += cnt;
+        }
+        if (pass == 0) {
+            for (int r = 0; r < R; ++r) {
+                float *s = scores + (size_t)r * cap;
+                __m256 mv = _mm256_set1_ps(-INFINITY);
+                int64_t i = 0;
+                for (; i + 8 <= L; i += 8) mv = _mm256_max_ps(mv, _mm256_loadu_ps(s + i));
+                float lanes[8], mx = -INFINITY, sum = 0.f;
+                _mm256_storeu_ps(lanes, mv);
+                for (int k = 0; k < 8; ++k) mx = lanes[k] > mx ? lanes[k] : mx;
+                for (int64_t k = i; k < L; ++k) mx = s[k] > mx ? s[k] : mx;
+                const __m256 mm = _mm256_set1_ps(mx);
+                __m256 sv = _mm256_setzero_ps();
+                for (i = 0; i + 8 <= L; i += 8) {
+                    const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + i), mm));
+                    _mm256_storeu_ps(s + i, e);
+                    sv = _mm256_add_ps(sv, e);
+                }
+                _mm256_storeu_ps(lanes, sv);
+                for (int k = 0; k < 8; ++k) sum += lanes[k];
+                for (; i < L; ++i) sum += (s[i] = exp_approx(s[i] - mx));
+                part[r] = mx;
+                part[R + r] = sum;
+            }
+            memset(acc, 0, sizeof(float) * (size_t)R * D);
+        }
+    }
+}
+
+static void decode_task_avx2_any(const void *q, int64_t qs, const void *kc, const void *vc, const int32_t *table,
+                                 int64_t j0, int64_t j1, int64_t b, int h0, int h1, int H, int Hkv, int D, int bs,
+                                 float scale, float softcap, int dtype, float *part, float *ws, int64_t cap) {
+#define CB_CALL(DD, DT) \
+    decode_task_avx2(q, qs, kc, vc, table, j0, j1, b, h0, h1, H, Hkv, DD, bs, scale, softcap, DT, part, ws, cap)
+    if (dtype == 0) {
+        if (D == 64) CB_CALL(64, 0);
+        else if (D == 128) CB_CALL(128, 0);
+        else CB_CALL(D, 0);
+    } else {
+        if (D == 64) CB_CALL(64, 1);
+        else if (D == 128) CB_CALL(128, 1);
+        else CB_CALL(D, 1);
+    }
+#undef CB_CALL
+}
+#define CB_HAVE_AVX2 1
+#else
+#define CB_HAVE_AVX2 0
+#endif
+
 /* Whether every row's context fits its block-table row (table_width entries) and every block it
  * reads is a block of the cache: checked before any KV is touched, so a bad table is an error, never
  * a read past the cache. */
@@ -320,47 +494,119 @@ static int tables_in_range(const int32_t *block_table, int64_t table_stride, int
     return 1;
 }
 
-/* impl: 0 = the fastest this build has, 1 = the portable loops (tests compare the two).
+/* The chunks of one task's part buffer merged into out[b, heads of the group]: each chunk's sums are
+ * rescaled to the largest maximum, then divided by the total weight (an empty context gives zeros). */
+static void merge_parts(const float *parts, int64_t chunks, int R, int D, int64_t stride, int dtype, void *out,
+                        int64_t o) {
+    for (int r = 0; r < R; ++r) {
+        float mx = -INFINITY;
+        for (int64_t c = 0; c < chunks; ++c) {
+            const float *p = parts + c * stride;
+            if (p[R + r] > 0.f && p[r] > mx) mx = p[r];
+        }
+        float acc[2048], total = 0.f; /* D <= 2048, checked on entry */
+        for (int d = 0; d < D; ++d) acc[d] = 0.f;
+        for (int64_t c = 0; c < chunks; ++c) {
+            const float *p = parts + c * stride;
+            if (!(p[R + r] > 0.f)) continue;
+            const float w = chunks == 1 ? 1.f : exp_approx(p[r] - mx);
+            total += w * p[R + r];
+            const float *a = p + 2 * R + (int64_t)r * D;
+            for (int d = 0; d < D; ++d) acc[d] += w * a[d];
+        }
+        const float inv = total > 0.f ? 1.f / total : 0.f;
+        if (dtype == 0) {
+            for (int d = 0; d < D; ++d) ((float *)out)[o + (int64_t)r * D + d] = acc[d] * inv;
+        } else {
+            for (int d = 0; d < D; ++d) ((uint16_t *)out)[o + (int64_t)r * D + d] = f32_to_bf16(acc[d] * inv);
+        }
+    }
+}
+
+/* impl: 0 = the fastest this build has, 1 = the portable loops, 2 = the AVX2 loops (tests compare
+ * them; 2 falls back to the portable loops in a build without AVX2).
  * Returns 0, 1 for bad sizes, 3 when out of memory, 4 for a block table or length outside the cache. */
 int cbgen_paged_decode(const void *q, int64_t q_stride, const void *kc, const void *vc, const int32_t *block_table,
                        int64_t table_stride, int64_t table_width, const int32_t *seq_lens, void *out, int64_t B,
                        int H, int Hkv, int D, int bs, int64_t num_blocks, float scale, int64_t window, float softcap,
                        int dtype, int impl) {
-    if (Hkv <= 0 || H % Hkv != 0 || dtype < 0 || dtype > 1 || H > 512 || D <= 0 || bs <= 0) return 1;
+    if (Hkv <= 0 || H % Hkv != 0 || dtype < 0 || dtype > 1 || H > 512 || D <= 0 || D > 2048 || bs <= 0) return 1;
     if (!tables_in_range(block_table, table_stride, table_width, seq_lens, B, bs, num_blocks)) return 4;
     const int fast = CB_HAVE_FAST && impl == 0 && D % 16 == 0 && D <= 256;
-    (void)fast; /* unused in builds without AVX-512 */
-    /* Whole rows per task when there are enough rows to keep every thread busy (sequential reads);
-     * otherwise one task per kv head. */
-    const int split = B >= 16 ? 1 : Hkv;
-    const int per = Hkv / split, G = H / Hkv;
-    int64_t cap = 1; /* longest context: the score buffer's row length */
-    for (int64_t b = 0; b < B; ++b) cap = seq_lens[b] > cap ? seq_lens[b] : cap;
+    const int avx2 = CB_HAVE_AVX2 && (impl == 0 || impl == 2) && !fast && D % 8 == 0 && D <= 256;
+    (void)fast, (void)avx2; /* unused in builds without the vector loops */
+    int64_t longest = 1; /* the longest attended context */
+    for (int64_t b = 0; b < B; ++b) {
+        const int64_t n = seq_lens[b], L = (window > 0 && n > window) ? window : n;
+        longest = L > longest ? L : longest;
+    }
+    /* Tasks: whole rows (every kv head of a token is one contiguous run, so a task streams its blocks
+     * front to back) when there are enough rows, or contexts long enough to cut into chunks, to keep
+     * every thread busy; otherwise one task per (row, kv head).  A task per kv head reads a third or
+     * less of each cache line run and measured at a third of the memory bandwidth. */
+    enum { MIN_CHUNK = 256 };
+    const int64_t want = 4 * (int64_t)omp_get_max_threads();
+    const int split = (B >= want || longest >= 2 * MIN_CHUNK) ? 1 : Hkv;
+    const int per = Hkv / split, G = H / Hkv, R = per * G;
+    /* Too few tasks to give every thread several: one long sequence would run on one thread.  Then
+     * each row's context is cut into chunks (merged after), none shorter than MIN_CHUNK tokens so the
+     * merge and the per-task set-up stay small. */
+    const int64_t units = B * split;
+    int64_t chunks = units >= want ? 1 : (want + units - 1) / units;
+    if (chunks > longest / MIN_CHUNK) chunks = longest / MIN_CHUNK > 0 ? longest / MIN_CHUNK : 1;
+    const int64_t cap = (longest + chunks - 1) / chunks; /* the score buffer's row length */
+    const int64_t stride = (int64_t)R * (D + 2);          /* one task's part: maxima, sums, values */
+    float *parts = (float *)malloc(sizeof(float) * (size_t)(units * chunks * stride));
+    if (!parts) return 3;
     int failed = 0;
 #pragma omp parallel
     {
-        float *ws = (float *)malloc(sizeof(float) * ((size_t)per * G * (2 * D + cap) + (size_t)per * D));
+        float *ws = (float *)malloc(sizeof(float) * ((size_t)R * (2 * D + cap) + (size_t)per * D));
         if (!ws) {
 #pragma omp atomic write
             failed = 1;
         }
 #pragma omp for schedule(dynamic, 1)
-        for (int64_t task = 0; task < B * split; ++task) {
+        for (int64_t task = 0; task < units * chunks; ++task) {
             if (!ws) continue;
-            const int64_t b = task / split;
-            const int h0 = (int)(task % split) * per;
+            const int64_t b = task / (split * chunks), g = (task / chunks) % split, c = task % chunks;
+            const int h0 = (int)g * per;
+            const int64_t n = seq_lens[b], start = (window > 0 && n > window) ? n - window : 0;
+            const int64_t j0 = start + c * cap < n ? start + c * cap : n;
+            const int64_t j1 = j0 + cap < n ? j0 + cap : n;
+            float *part = parts + task * stride;
+            if (j0 >= j1) {
+                for (int r = 0; r < R; ++r) part[r] = -INFINITY, part[R + r] = 0.f;
+                continue;
+            }
+            const int32_t *table = block_table + b * table_stride;
 #if CB_HAVE_FAST
             if (fast) {
-                decode_task_fast(q, q_stride, kc, vc, block_table + b * table_stride, seq_lens[b], b, h0, h0 + per, H,
-                                 Hkv, D, bs, scale, window, softcap, dtype, out, ws, cap);
+                decode_task_fast(q, q_stride, kc, vc, table, j0, j1, b, h0, h0 + per, H, Hkv, D, bs, scale, softcap,
+                                 dtype, part, ws, cap);
                 continue;
             }
 #endif
-            decode_task(q, q_stride, kc, vc, block_table + b * table_stride, seq_lens[b], b, h0, h0 + per, H, Hkv, D,
-                        bs, scale, window, softcap, dtype, out, ws, cap);
+#if CB_HAVE_AVX2
+            if (avx2) {
+                decode_task_avx2_any(q, q_stride, kc, vc, table, j0, j1, b, h0, h0 + per, H, Hkv, D, bs, scale, softcap,
+                                     dtype, part, ws, cap);
+                continue;
+            }
+#endif
+            decode_task(q, q_stride, kc, vc, table, j0, j1, b, h0, h0 + per, H, Hkv, D, bs, scale, softcap, dtype,
+                        part, ws, cap);
         }
         free(ws);
     }
+    if (!failed) {
+#pragma omp parallel for schedule(static)
+        for (int64_t u = 0; u < units; ++u) {
+            const int64_t b = u / split, h0 = (u % split) * per;
+            merge_parts(parts + u * chunks * stride, chunks, R, D, stride, dtype, out, (b * H + h0 * G) * D);
+        }
+    }
+    free(parts);
     return failed ? 3 : 0;
 }
 
