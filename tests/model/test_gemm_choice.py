@@ -197,3 +197,25 @@ def test_gemv_kernel(dtype: torch.dtype, k: int) -> None:
         cpu_kernels.gemv(torch.zeros(1, k, dtype=dtype), weight.t().contiguous().t())  # column-major
     with pytest.raises(ValueError):
         cpu_kernels.gemv(torch.zeros(1, k, dtype=torch.float16), weight.half())
+
+
+@pytest.mark.native("c")
+def test_engine_with_gemv_for_single_rows_equals_generate(monkeypatch):
+    """One sequence through the engine with ``gemv`` forced for one-row steps: a prompt longer than
+    the token budget (prefill chunks that sample nothing give the LM head zero rows, which gemv
+    hands back to F.linear), then single-row decode steps; greedy tokens equal ``generate()``."""
+    from cbgen import LLM, SamplingParams
+    from oracle import compare, hf_greedy
+    from tiny_models import make_model
+
+    monkeypatch.setenv("CBGEN_GEMM", "single=gemv,decode=plain,prefill=plain")
+    # Projections of at least 2^16 weights, so PackedLinears hands them to the plan's candidates.
+    model = make_model("llama", hidden_size=256, intermediate_size=512, num_attention_heads=4)
+    prompt = [(i * 37) % 500 + 3 for i in range(150)]
+    llm = LLM(model, None, max_num_batched_tokens=64, num_blocks=64, block_size=16)
+    assert llm.engine.runner is not None
+    out = llm.generate(
+        [prompt], SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True), use_tqdm=False
+    )
+    got = list(out[0].outputs[0].token_ids)
+    compare(model, [prompt], [got], [hf_greedy(model, prompt, 12)])

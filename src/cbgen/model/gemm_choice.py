@@ -112,8 +112,8 @@ def _gemv() -> Candidate:
         raise RuntimeError(f"the C kernels did not build: {cpu_kernels.unavailable_reason()}")
 
     def apply(x, packed, weight, bias):
-        if x.shape[0] > SINGLE_MAX_ROWS or x.dtype != packed.dtype:
-            return None
+        if not 1 <= x.shape[0] <= SINGLE_MAX_ROWS or x.dtype != packed.dtype:
+            return None  # e.g. the LM head of a prefill chunk that samples nothing: zero rows
         return cpu_kernels.gemv(x, packed, bias)
 
     # The "packed" weight is the weight itself (a single projection's own tensor: no copy) or the
