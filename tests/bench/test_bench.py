@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import sys
-import textwrap
 from pathlib import Path
 
 import pytest
@@ -19,6 +18,7 @@ from cbgen.bench.engine_settings import BenchOptions
 from cbgen.bench.report import summarize
 from cbgen.bench.report_markdown import cold_start_markdown, markdown
 from cbgen.bench.workloads import Workload
+from fake_vllm import FAKE_VLLM
 
 ENGINE_FIELDS = (
     "wall_s",
@@ -256,40 +256,6 @@ def test_sampled_check_catches_wrong_sampling_and_logprobs() -> None:
     assert too_cold["z"] > MAX_Z and not too_cold["ok"]
     shifted = [[[lp + 1e-3 for lp in seq] for seq in req] for req in raw]
     assert not check_run(model, wl, tokens, shifted, "float32")["ok"]
-
-
-FAKE_VLLM = textwrap.dedent(
-    """
-    __version__ = "0.0-fake"
-
-    class SamplingParams:
-        def __init__(self, n=1, max_tokens=16, **kwargs):
-            self.n, self.max_tokens = n, max_tokens
-
-    class _Completion:
-        def __init__(self, index, token_ids):
-            self.index, self.token_ids = index, token_ids
-
-    class _Output:
-        metrics = None
-
-        def __init__(self, outputs):
-            self.outputs = outputs
-
-    class LLM:
-        def __init__(self, model, **kwargs):
-            self.model = model
-
-        def generate(self, prompts, params, use_tqdm=True):
-            import os
-
-            if os.environ.get("FAKE_VLLM_CALLS"):
-                with open(os.environ["FAKE_VLLM_CALLS"], "a") as f:
-                    f.write("generate\\n")
-            # Deliberately wrong tokens: the report must refuse to trust these numbers.
-            return [_Output([_Completion(j, [7] * p.max_tokens) for j in range(p.n)]) for p in params]
-    """
-)
 
 
 @pytest.mark.slow

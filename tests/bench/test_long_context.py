@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import sys
-import textwrap
 from pathlib import Path
 
 import pytest
@@ -22,6 +21,7 @@ from cbgen.bench.long_context import (
     summarize_long,
 )
 from cbgen.bench.workloads import ModelDims
+from fake_vllm import FAKE_VLLM
 
 
 def test_cases_cover_2k_8k_and_the_maximum_once() -> None:
@@ -91,52 +91,6 @@ def test_summary_medians_ratios_and_token_check() -> None:
     )
     assert "| vllm | ERROR RuntimeError" in text
     assert long_markdown(None) == []
-
-
-FAKE_VLLM = textwrap.dedent(
-    """
-    __version__ = "0.0-fake"
-
-    class SamplingParams:
-        def __init__(self, n=1, max_tokens=16, **kwargs):
-            self.n, self.max_tokens = n, max_tokens
-
-    class _Completion:
-        def __init__(self, token_ids):
-            self.index, self.token_ids = 0, token_ids
-
-    class _Output:
-        def __init__(self, token_ids, finished):
-            self.outputs, self.finished, self.metrics = [_Completion(token_ids)], finished, None
-
-    class _Engine:
-        # One token per step, as a real engine streams them.
-        def __init__(self):
-            self.live = {}
-
-        def add_request(self, rid, prompt, params):
-            self.live[rid] = (len(prompt["prompt_token_ids"]), params.max_tokens, [])
-
-        def has_unfinished_requests(self):
-            return bool(self.live)
-
-        def step(self):
-            out = []
-            for rid, (n, want, toks) in list(self.live.items()):
-                toks.append(n % 97)
-                out.append(_Output(list(toks), len(toks) == want))
-                if len(toks) == want:
-                    del self.live[rid]
-            return out
-
-    class LLM:
-        def __init__(self, model, **kwargs):
-            self.llm_engine = _Engine()
-
-        def generate(self, prompts, params, use_tqdm=True):
-            return [_Output([1] * p.max_tokens, True) for p in params]
-    """
-)
 
 
 def test_vllm_long_protocol(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

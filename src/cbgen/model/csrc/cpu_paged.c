@@ -104,6 +104,16 @@ static void decode_task(const void *q, int64_t qs, const void *kc, const void *v
     }
 }
 
+/* Prefetches the first ``count`` tokens of cache block ``block`` (this task's heads: ``span`` bytes a
+ * token from head h0 on) into L1: the next block's address is a table lookup, which no hardware
+ * prefetcher guesses.  Used by the vector loops. */
+static inline void prefetch_block(const void *cache, int64_t block, int64_t count, int bs, int64_t tok_stride,
+                                  int h0, int D, int64_t esize, int64_t span) {
+    const char *base = (const char *)cache + (block * bs * tok_stride + (int64_t)h0 * D) * esize;
+    for (int64_t t = 0; t < count; ++t)
+        for (int64_t c = 0; c < span; c += 64) __builtin_prefetch(base + t * tok_stride * esize + c, 0, 3);
+}
+
 #if defined(__AVX512F__)
 #include <immintrin.h>
 
@@ -184,12 +194,9 @@ static inline __attribute__((always_inline)) void decode_task_avx512(
         for (int64_t j = j0, blk = j0 / bs, off = j0 % bs; j < j1; ++blk, off = 0) {
             const int64_t cnt = (bs - off) < (j1 - j) ? (bs - off) : (j1 - j);
             const int64_t first = ((int64_t)table[blk] * bs + off) * tok_stride;
-            if (j + cnt < j1) {
-                const char *nxt = (const char *)cache + ((int64_t)table[blk + 1] * bs * tok_stride + (int64_t)h0 * D) * esize;
-                const int64_t ncnt = (j1 - j - cnt) < bs ? (j1 - j - cnt) : bs;
-                for (int64_t t = 0; t < ncnt; ++t)
-                    for (int64_t c = 0; c < span; c += 64) _mm_prefetch(nxt + t * tok_stride * esize + c, _MM_HINT_T0);
-            }
+            if (j + cnt < j1)
+                prefetch_block(cache, table[blk + 1], (j1 - j - cnt) < bs ? (j1 - j - cnt) : bs, bs, tok_stride, h0,
+                               D, esize, span);
             if (pass == 0) {
                 for (int64_t t0 = 0; t0 < cnt; t0 += 16) {
                     const int m = (cnt - t0) < 16 ? (int)(cnt - t0) : 16;
@@ -354,12 +361,9 @@ static inline __attribute__((always_inline)) void decode_task_avx2(
         for (int64_t j = j0, blk = j0 / bs, off = j0 % bs; j < j1; ++blk, off = 0) {
             const int64_t cnt = (bs - off) < (j1 - j) ? (bs - off) : (j1 - j);
             const int64_t first = ((int64_t)table[blk] * bs + off) * tok_stride;
-            if (j + cnt < j1) { /* the next block's address is a table lookup: no prefetcher guesses it */
-                const char *nxt = (const char *)cache + ((int64_t)table[blk + 1] * bs * tok_stride + (int64_t)h0 * D) * esize;
-                const int64_t ncnt = (j1 - j - cnt) < bs ? (j1 - j - cnt) : bs;
-                for (int64_t t = 0; t < ncnt; ++t)
-                    for (int64_t c = 0; c < span; c += 64) _mm_prefetch(nxt + t * tok_stride * esize + c, _MM_HINT_T0);
-            }
+            if (j + cnt < j1)
+                prefetch_block(cache, table[blk + 1], (j1 - j - cnt) < bs ? (j1 - j - cnt) : bs, bs, tok_stride, h0,
+                               D, esize, span);
             if (pass == 0) {
                 for (int64_t t0 = 0; t0 < cnt; t0 += 8) {
                     const int m = (cnt - t0) < 8 ? (int)(cnt - t0) : 8;
