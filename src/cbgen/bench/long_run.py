@@ -7,6 +7,7 @@ import argparse
 from collections.abc import Callable
 from typing import Any
 
+from cbgen.bench.engine_settings import MAX_NUM_BATCHED_TOKENS
 from cbgen.bench.long_context import (
     CaseTiming,
     LongCase,
@@ -73,7 +74,7 @@ def bench_long(
     vocab = vocab_size_of(model)
     prompts = case_prompts(cases, vocab, args.repeats)
     dims = model_dims(model)
-    prefill_rows = min(2048, max(c.prompt_len for c in cases))
+    prefill_rows = min(MAX_NUM_BATCHED_TOKENS, max(c.prompt_len for c in cases))
     log(f"long: {', '.join(c.name for c in cases)} on {key}; measuring bandwidth and the prefill GEMM")
     machine = _machine(args, dims, prefill_rows)
     timings: dict[str, list[CaseTiming] | str] = {}

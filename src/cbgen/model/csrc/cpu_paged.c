@@ -306,37 +306,12 @@ static void decode_task_fast(const void *q, int64_t qs, const void *kc, const vo
 #endif
 
 #if defined(__AVX2__) && defined(__FMA__)
-#include <immintrin.h>
-
-/* 8 elements as float32 (bfloat16 widened by a shift).  dtype 0 = float32, 1 = bf16. */
-static inline __attribute__((always_inline)) __m256 ld8(const void *base, int64_t off, const int dtype) {
-    if (dtype == 0) return _mm256_loadu_ps((const float *)base + off);
-    const __m128i h = _mm_loadu_si128((const __m128i *)((const uint16_t *)base + off));
-    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-}
 
 /* r[j] = sum of v[j]'s 8 lanes, for 8 vectors at once (two rounds of hadd, then the two halves). */
 static inline __attribute__((always_inline)) __m256 hsum8x8(const __m256 v[8]) {
     const __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
     const __m256 u1 = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
     return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
-}
-
-/* exp_approx on 8 lanes; 2^k built in the exponent field (k stays within [-126, 127] after the clamp). */
-static inline __m256 exp8(__m256 x) {
-    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.0f)), _mm256_set1_ps(88.0f));
-    const __m256 t = _mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f));
-    const __m256 k = _mm256_round_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    const __m256 f = _mm256_mul_ps(_mm256_sub_ps(t, k), _mm256_set1_ps(0.69314718055994531f));
-    __m256 p = _mm256_set1_ps(1.0f / 720.0f);
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f / 120.0f));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f / 24.0f));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f / 6.0f));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(0.5f));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f));
-    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(k), _mm256_set1_epi32(127)), 23);
-    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
 }
 
 /* decode_task for D % 8 == 0 (D <= 256) with AVX2 + FMA: the AVX-512 loops' structure at 8 lanes
