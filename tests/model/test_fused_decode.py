@@ -168,14 +168,29 @@ def _ulps_apart(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return (ia - ib).abs()
 
 
-@pytest.mark.parametrize(
-    "width",
-    [pytest.param(96, id="vector", marks=pytest.mark.native("avx512")), pytest.param(40, id="portable")],
-)
+WIDTHS = [
+    pytest.param(96, id="avx512", marks=pytest.mark.native("avx512")),  # 16-lane loops
+    pytest.param(40, id="avx2", marks=pytest.mark.native("avx2")),  # 8-lane loops (40 % 16 != 0)
+    pytest.param(36, id="portable"),
+]
+
+
+def _vector_loops(n: int) -> bool:
+    """Whether rows of n values take vector loops in this build (16 lanes, else 8)."""
+    states = native_paths.states()
+    return (n % 16 == 0 and states["avx512"].runs) or (n % 8 == 0 and states["avx2"].runs)
+
+
+def _head_dim(width: int) -> int:
+    """A rotary head size whose half takes the same loops as rows of ``width``."""
+    return 32 if width % 8 == 0 else 20
+
+
+@pytest.mark.parametrize("width", WIDTHS)
 def test_bf16_kernels_round_where_the_modules_do(width: int) -> None:
     """What the README says about bf16 rounding in the fused path, pinned: residual add + RMSNorm and
     SiLU-and-multiply round every value the transformers modules round, at the same point (bitwise
-    equal on the portable loops; the AVX-512 loops sum the squares in another order, so within one
+    equal on the portable loops; the vector loops sum the squares in another order, so within one
     ulp there); the rotary kernel computes ``q * cos`` and ``rotate_half(q) * sin`` and their sum in
     float32 and rounds once, where the modules round all three (it equals that once-rounded result
     bitwise and differs from the modules' in about a third of the values)."""
@@ -192,11 +207,11 @@ def test_bf16_kernels_round_where_the_modules_do(width: int) -> None:
     act = cpu_kernels.silu_mul(gate, up, torch.empty_like(gate))
     for got, want in ((out, norm(x + delta)), (act, nn.functional.silu(gate) * up)):
         apart = _ulps_apart(got, want)
-        if width % 16 or not native_paths.states()["avx512"].runs:
+        if not _vector_loops(width):
             assert torch.equal(got, want)
         else:
             assert apart.max() <= 1 and (apart > 0).float().mean() < 0.01
-    d, tokens = 32, 8
+    d, tokens = _head_dim(width), 8
     q, k = torch.randn(tokens, 3 * d, generator=gen).to(bf), torch.randn(tokens, d, generator=gen).to(bf)
     angles = torch.rand(tokens, d // 2, generator=gen) * 50
     cos, sin = torch.cat([angles.cos()] * 2, -1).to(bf), torch.cat([angles.sin()] * 2, -1).to(bf)
@@ -293,12 +308,10 @@ def _rotate_half_ref(t, cos, sin, heads):
     return (t * cos[:, None] + half * sin[:, None]).reshape(tokens, heads * d)
 
 
-@pytest.mark.parametrize(
-    "width",
-    [pytest.param(96, id="vector", marks=pytest.mark.native("avx512")), pytest.param(40, id="portable")],
-)
+@pytest.mark.parametrize("width", WIDTHS)
 def test_fused_kernels_match_torch(width: int) -> None:
-    """Widths that are multiples of 16 take the AVX-512 loops where the CPU has them."""
+    """Widths that are multiples of 16 take the AVX-512 loops where the CPU has them, multiples of 8
+    the AVX2 loops, others the portable ones."""
     gen = torch.Generator().manual_seed(width)
     for dtype in (torch.float32, torch.bfloat16):
         x = torch.randn(7, width, generator=gen).to(dtype)
@@ -313,7 +326,7 @@ def test_fused_kernels_match_torch(width: int) -> None:
         assert torch.equal(xx, summed)
         torch.testing.assert_close(out, ref, atol=1e-5 if dtype == torch.float32 else 1e-2, rtol=1e-5)
         # rotate-half rotary embedding over q [T, 3*D] and k [T, 1*D]
-        d = 32
+        d = _head_dim(width)
         q = torch.randn(5, 3 * d, generator=gen).to(dtype)
         k = torch.randn(5, d, generator=gen).to(dtype)
         ang = torch.randn(5, d // 2, generator=gen)

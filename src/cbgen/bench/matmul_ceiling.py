@@ -2,7 +2,7 @@
 
 It bounds how fast any engine can run a workload on this machine, so the report can say how close
 each engine gets to it.  To be a bound it must be the *best* this machine does: every GEMM the
-engine itself can choose from (plain ``F.linear``, MKL's and oneDNN's packed GEMMs, the AMX kernel;
+engine itself can choose from (plain ``F.linear``, MKL's and oneDNN's packed GEMMs, our AMX, gemv and panel kernels;
 :mod:`cbgen.model.gemm_choice`) is timed, with weights cold as in a real step (several distinct
 copies cycled, more bytes than the caches hold), and the fastest counts; the report names it.  An
 engine that still reads above 100% means the ceiling missed a faster GEMM, and the report says so.

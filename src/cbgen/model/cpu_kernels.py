@@ -38,7 +38,8 @@ log = logging.getLogger("cbgen")
 
 _CSRC = Path(__file__).parent / "csrc"
 _SOURCES = [
-    _CSRC / name for name in ("cpu_paged.c", "cpu_fused.c", "cpu_gemm.c", "cpu_decoder.c", "cpu_gemv.c")
+    _CSRC / name
+    for name in ("cpu_paged.c", "cpu_fused.c", "cpu_gemm.c", "cpu_decoder.c", "cpu_gemv.c", "cpu_panel.c")
 ]
 _HEADERS = [_CSRC / "cbgen_numerics.h"]
 # Which decode-attention loops cbgen_paged_decode runs (its ``impl`` argument).
@@ -129,6 +130,8 @@ def _build() -> ctypes.CDLL:
     lib.cbgen_decoder_step.argtypes = [ptr, ptr, i32, ptr, f32, *[ptr] * 10, i64, i64, ptr, ptr, i64, i64]
     lib.cbgen_decoder_step.argtypes += [i32, i32, i32, i64, i32, i64]
     lib.cbgen_gemv.argtypes = [ptr, i64, ptr, i64, ptr, ptr, i64, i64, i64, i64, i32]
+    lib.cbgen_panel_pack.argtypes = [ptr, i64, i64, i64, i32, ptr, i64]
+    lib.cbgen_panel_gemm.argtypes = [ptr, i64, ptr, i64, ptr, ptr, i64, i64, i64, i64, i32]
     lib.cbgen_decoder_layout.argtypes = [ctypes.POINTER(i64), ctypes.POINTER(i64)]
     lib.cbgen_decoder_layout.restype = ctypes.c_char_p
     for fn in (
@@ -140,6 +143,8 @@ def _build() -> ctypes.CDLL:
         lib.cbgen_amx_init,
         lib.cbgen_decoder_step,
         lib.cbgen_gemv,
+        lib.cbgen_panel_pack,
+        lib.cbgen_panel_gemm,
     ):
         fn.restype = i32
     return lib

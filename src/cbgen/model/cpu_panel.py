@@ -1,0 +1,104 @@
+"""The panel GEMM of ``csrc/cpu_panel.c`` (AVX2 + FMA), wrapped for the measured GEMM choice.
+
+A weight is packed once into float32 panels of 16 output columns (:func:`panel_pack`), and
+:func:`panel_linear` computes ``F.linear(x, weight, bias)`` from them for any row count.  It is one
+candidate of :mod:`cbgen.model.gemm_choice`: it runs only where it was timed faster than the
+library GEMMs on this machine.  Both entry points check their arguments before calling into C.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from cbgen.model.arg_checks import check_rows
+from cbgen.model.cpu_kernels import available, library
+from cbgen.utils import advise_huge_pages
+
+PANEL = 16  # output columns per panel (two 8-lane vectors)
+_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+_RC = {1: "rejected its sizes", 2: "was built without AVX2 + FMA", 3: "could not allocate its scratch"}
+
+
+def panel_available() -> bool:
+    """Whether the panel GEMM runs here: the kernels built, for a CPU with AVX2 and FMA."""
+    if not available():
+        return False
+    probe = torch.ones(1, 1)
+    packed = torch.zeros(1, 1, PANEL)
+    out = torch.empty(1, 1)
+    lib = library()
+    return (
+        lib.cbgen_panel_pack(probe.data_ptr(), 1, 1, 1, 0, packed.data_ptr(), packed.numel()) == 0
+        and lib.cbgen_panel_gemm(
+            probe.data_ptr(), 1, packed.data_ptr(), packed.numel(), None, out.data_ptr(), 1, 1, 1, 1, 0
+        )
+        == 0
+        and out.item() == 1.0
+    )
+
+
+def _dtype(t: torch.Tensor) -> int:
+    if t.dtype not in _DTYPES:
+        raise ValueError(f"the panel GEMM takes float32 or bfloat16, got {t.dtype}")
+    return _DTYPES[t.dtype]
+
+
+def panel_pack(weight: torch.Tensor) -> torch.Tensor:
+    """``weight [N, K]`` (float32 or bfloat16, contiguous rows) as float32 panels
+    ``[ceil(N / 16), K, 16]``, the columns past N zero (a copy, on huge pages where granted)."""
+    if weight.dim() != 2:
+        raise ValueError(f"panel_pack: expected a 2-D weight, got {tuple(weight.shape)}")
+    n, k = weight.shape
+    check_rows("weight", weight, n, k, weight.dtype)
+    dtype = _dtype(weight)
+    packed = advise_huge_pages(torch.empty(((n + PANEL - 1) // PANEL, k, PANEL), dtype=torch.float32))
+    rc = library().cbgen_panel_pack(
+        weight.data_ptr(), weight.stride(0), n, k, dtype, packed.data_ptr(), packed.numel()
+    )
+    if rc:
+        raise ValueError(f"cbgen_panel_pack {_RC.get(rc, rc)} (weight [{n}, {k}])")
+    return packed
+
+
+def panel_linear(
+    x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` from ``packed = panel_pack(weight)`` (``weight`` had ``n`` rows):
+    ``x [M, K]`` float32 or bfloat16 with contiguous rows, ``bias [n]`` of x's dtype or None; the
+    output has x's dtype, accumulated in float32.  The panels are checked against ``n`` and K, so
+    the kernel never reads past them; they cannot tell ``n`` from another width that rounds up to
+    the same panels (the extra columns would read the zero padding)."""
+    if x.dim() != 2 or x.shape[0] < 1:
+        raise ValueError(f"panel_linear: expected x [M >= 1, K], got {tuple(x.shape)}")
+    rows, k = x.shape
+    dtype = _dtype(x)
+    if (
+        packed.dim() != 3
+        or packed.dtype != torch.float32
+        or packed.shape != ((n + PANEL - 1) // PANEL, k, PANEL)
+        or not packed.is_contiguous()
+    ):
+        raise ValueError(f"panel_linear: packed {tuple(packed.shape)} is not a [{n}, {k}] weight's panels")
+    check_rows("x", x, rows, k, x.dtype)
+    if bias is not None:
+        check_rows("bias", bias.view(1, -1), 1, n, x.dtype)
+    out = torch.empty((rows, n), dtype=x.dtype)
+    rc = library().cbgen_panel_gemm(
+        x.data_ptr(),
+        x.stride(0),
+        packed.data_ptr(),
+        packed.numel(),
+        None if bias is None else bias.data_ptr(),
+        out.data_ptr(),
+        n,
+        rows,
+        n,
+        k,
+        dtype,
+    )
+    if rc:
+        raise RuntimeError(f"cbgen_panel_gemm {_RC.get(rc, rc)} (x {tuple(x.shape)}, weight [{n}, {k}])")
+    return out
+
+
+__all__ = ["PANEL", "panel_available", "panel_linear", "panel_pack"]

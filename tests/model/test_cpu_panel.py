@@ -1,0 +1,113 @@
+"""The panel GEMM (``csrc/cpu_panel.c``, a candidate of the measured GEMM choice): the packed layout,
+``F.linear`` at every tile and chunk edge in both dtypes, argument checks before any memory is
+touched, and the engine's greedy tokens with it forced for every row class."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+pytestmark = pytest.mark.native("avx2")
+
+
+@pytest.fixture(scope="module")
+def panel():
+    from cbgen.model import cpu_panel
+
+    assert cpu_panel.panel_available()
+    return cpu_panel
+
+
+def test_pack_layout(panel) -> None:
+    """Column n of the weight is lane n % 16 of panel n // 16; the lanes past N are zero; a bf16
+    weight is widened exactly."""
+    for dtype in (torch.float32, torch.bfloat16):
+        weight = torch.randn(37, 9).to(dtype)
+        packed = panel.panel_pack(weight)
+        assert packed.shape == (3, 9, 16) and packed.dtype == torch.float32
+        for n in range(37):
+            assert torch.equal(packed[n // 16, :, n % 16], weight[n].float())
+        assert not packed[2, :, 37 - 32 :].any()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("n", "k"), [(203, 576), (48, 37), (16, 8), (5, 1)])
+def test_equals_f_linear(panel, dtype: torch.dtype, n: int, k: int) -> None:
+    """Row counts on both sides of the 6-row tile and the 192-row chunk, output widths that are and
+    are not multiples of the 16-column panel, with and without bias, x rows with a stride."""
+    gen = torch.Generator().manual_seed(n * k)
+    weight = torch.randn(n, k, generator=gen).to(dtype)
+    bias = torch.randn(n, generator=gen).to(dtype)
+    packed = panel.panel_pack(weight)
+    wide = torch.randn(400, k + 3, generator=gen).to(dtype)
+    # float32: sums in another order; bf16: one rounding of the output, as torch's bf16 GEMM
+    tol = 1e-4 if dtype == torch.float32 else 2e-2
+    for rows in (1, 5, 6, 7, 64, 191, 192, 193, 400):
+        x = wide[:rows, :k]
+        for b in (None, bias):
+            got = panel.panel_linear(x, packed, n, b)
+            assert got.dtype == dtype and got.shape == (rows, n)
+            expected = nn.functional.linear(x.float(), weight.float(), None if b is None else b.float())
+            torch.testing.assert_close(got.float(), expected, atol=tol * max(1, k**0.5), rtol=tol)
+
+
+def test_refuses_what_it_cannot_take(panel) -> None:
+    weight = torch.randn(40, 24)
+    packed = panel.panel_pack(weight)
+    with pytest.raises(ValueError):
+        panel.panel_linear(torch.zeros(0, 24), packed, 40)  # no rows
+    with pytest.raises(ValueError):
+        panel.panel_linear(torch.zeros(3, 25), packed, 40)  # width differs from the weight's
+    with pytest.raises(ValueError):
+        panel.panel_linear(torch.zeros(3, 24), packed, 49)  # more columns than the panels hold
+    with pytest.raises(ValueError):
+        panel.panel_linear(torch.zeros(24, 3).t(), packed, 40)  # column-major x
+    with pytest.raises(ValueError):
+        panel.panel_linear(torch.zeros(3, 24), packed, 40, torch.zeros(39))  # bias length
+    with pytest.raises(ValueError):
+        panel.panel_linear(torch.zeros(3, 24, dtype=torch.float16), packed, 40)
+    with pytest.raises(ValueError):
+        panel.panel_pack(weight.t())  # column-major weight
+    # The C entry points check sizes themselves too: a packed size that does not match is refused
+    # before anything is read.
+    from cbgen.model.cpu_kernels import library
+
+    x, out = torch.zeros(3, 24), torch.empty(3, 40)
+    rc = library().cbgen_panel_gemm(
+        x.data_ptr(), 24, packed.data_ptr(), packed.numel() - 1, None, out.data_ptr(), 40, 3, 40, 24, 0
+    )
+    assert rc == 1
+    rc = library().cbgen_panel_pack(weight.data_ptr(), 24, 40, 24, 0, packed.data_ptr(), packed.numel() + 16)
+    assert rc == 1
+
+
+def test_is_a_gemm_candidate(panel) -> None:
+    from cbgen.model import gemm_choice
+
+    for dtype in (torch.float32, torch.bfloat16):
+        assert "panel" in gemm_choice.candidates(dtype)
+
+
+def test_engine_with_panel_for_every_row_class_equals_generate(monkeypatch, panel) -> None:
+    """Prefill chunks (the LM head of a chunk that samples nothing has zero rows: F.linear takes
+    it), batched and single-row decode steps, all projections on the panel GEMM: greedy tokens equal
+    ``generate()``."""
+    from cbgen import LLM, SamplingParams
+    from oracle import compare, hf_greedy
+    from tiny_models import make_model
+
+    monkeypatch.setenv("CBGEN_GEMM", "panel")
+    # Projections of at least 2^16 weights, so PackedLinears hands them to the plan's candidates.
+    model = make_model("llama", hidden_size=256, intermediate_size=512, num_attention_heads=4)
+    prompts = [[(i * 37 + j) % 500 + 3 for i in range(150 if j == 0 else 20 + j)] for j in range(4)]
+    llm = LLM(model, None, max_num_batched_tokens=64, num_blocks=128, block_size=16)
+    assert llm.engine.runner is not None
+    lengths = [12, 3, 5, 8]  # sequences finish apart, so the last steps have fewer rows, then one
+    out = llm.generate(
+        prompts,
+        [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True) for m in lengths],
+        use_tqdm=False,
+    )
+    got = [list(o.outputs[0].token_ids) for o in out]
+    compare(model, prompts, got, [hf_greedy(model, p, m) for p, m in zip(prompts, lengths)])
