@@ -20,26 +20,35 @@ def panel():
 
 
 def test_pack_layout(panel) -> None:
-    """Column n of the weight is lane n % 16 of panel n // 16; the lanes past N are zero; a bf16
-    weight is widened exactly."""
-    for dtype in (torch.float32, torch.bfloat16):
+    """Column n of the weight is lane n % 16 of panel n // 16, in the weight's dtype; the lanes past N
+    are zero."""
+    for dtype, panel_dtype in (
+        (torch.float32, torch.float32),
+        (torch.bfloat16, torch.float32),  # widened exactly
+        (torch.bfloat16, torch.bfloat16),
+    ):
         weight = torch.randn(37, 9).to(dtype)
-        packed = panel.panel_pack(weight)
-        assert packed.shape == (3, 9, 16) and packed.dtype == torch.float32
+        packed = panel.panel_pack(weight, panel_dtype)
+        assert packed.shape == (3, 9, 16) and packed.dtype == panel_dtype
         for n in range(37):
-            assert torch.equal(packed[n // 16, :, n % 16], weight[n].float())
+            assert torch.equal(packed[n // 16, :, n % 16], weight[n].to(panel_dtype))
         assert not packed[2, :, 37 - 32 :].any()
+    with pytest.raises(ValueError):
+        panel.panel_pack(torch.randn(37, 9), torch.bfloat16)  # float32 weights are never narrowed
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    ("dtype", "panel_dtype"),
+    [(torch.float32, torch.float32), (torch.bfloat16, torch.float32), (torch.bfloat16, torch.bfloat16)],
+)
 @pytest.mark.parametrize(("n", "k"), [(203, 576), (48, 37), (16, 8), (5, 1)])
-def test_equals_f_linear(panel, dtype: torch.dtype, n: int, k: int) -> None:
+def test_equals_f_linear(panel, dtype: torch.dtype, panel_dtype: torch.dtype, n: int, k: int) -> None:
     """Row counts on both sides of the 6-row tile and the 192-row chunk, output widths that are and
     are not multiples of the 16-column panel, with and without bias, x rows with a stride."""
     gen = torch.Generator().manual_seed(n * k)
     weight = torch.randn(n, k, generator=gen).to(dtype)
     bias = torch.randn(n, generator=gen).to(dtype)
-    packed = panel.panel_pack(weight)
+    packed = panel.panel_pack(weight, panel_dtype)
     wide = torch.randn(400, k + 3, generator=gen).to(dtype)
     # float32: sums in another order; bf16: one rounding of the output, as torch's bf16 GEMM
     tol = 1e-4 if dtype == torch.float32 else 2e-2
@@ -67,6 +76,8 @@ def test_refuses_what_it_cannot_take(panel) -> None:
         panel.panel_linear(torch.zeros(3, 24), packed, 40, torch.zeros(39))  # bias length
     with pytest.raises(ValueError):
         panel.panel_linear(torch.zeros(3, 24, dtype=torch.float16), packed, 40)
+    with pytest.raises(ValueError):  # bfloat16 panels take bfloat16 inputs only
+        panel.panel_linear(torch.zeros(3, 24), panel.panel_pack(weight.bfloat16(), torch.bfloat16), 40)
     with pytest.raises(ValueError):
         panel.panel_pack(weight.t())  # column-major weight
     # The C entry points check sizes themselves too: a packed size that does not match is refused
@@ -74,19 +85,33 @@ def test_refuses_what_it_cannot_take(panel) -> None:
     from cbgen.model.cpu_kernels import library
 
     x, out = torch.zeros(3, 24), torch.empty(3, 40)
-    rc = library().cbgen_panel_gemm(
-        x.data_ptr(), 24, packed.data_ptr(), packed.numel() - 1, None, out.data_ptr(), 40, 3, 40, 24, 0
+    lib = library()
+    args = (
+        x.data_ptr(),
+        24,
+        packed.data_ptr(),
+        packed.numel() - 1,
+        None,
+        out.data_ptr(),
+        40,
+        3,
+        40,
+        24,
+        0,
+        0,
     )
-    assert rc == 1
-    rc = library().cbgen_panel_pack(weight.data_ptr(), 24, 40, 24, 0, packed.data_ptr(), packed.numel() + 16)
-    assert rc == 1
+    assert lib.cbgen_panel_gemm(*args) == 1
+    args = (weight.data_ptr(), 24, 40, 24, 0, packed.data_ptr(), packed.numel() + 16, 0)
+    assert lib.cbgen_panel_pack(*args) == 1
+    args = (weight.data_ptr(), 24, 40, 24, 0, packed.data_ptr(), packed.numel(), 1)  # fp32 -> bf16 panels
+    assert lib.cbgen_panel_pack(*args) == 1
 
 
 def test_is_a_gemm_candidate(panel) -> None:
     from cbgen.model import gemm_choice
 
-    for dtype in (torch.float32, torch.bfloat16):
-        assert "panel" in gemm_choice.candidates(dtype)
+    assert "panel" in gemm_choice.candidates(torch.float32)
+    assert {"panel", "panel_bf16"} <= set(gemm_choice.candidates(torch.bfloat16))
 
 
 def test_engine_with_panel_for_every_row_class_equals_generate(monkeypatch, panel) -> None:

@@ -1,6 +1,7 @@
 """The panel GEMM of ``csrc/cpu_panel.c`` (AVX2 + FMA), wrapped for the measured GEMM choice.
 
-A weight is packed once into float32 panels of 16 output columns (:func:`panel_pack`), and
+A weight is packed once into panels of 16 output columns (float32, or bfloat16 for a bfloat16
+weight) (:func:`panel_pack`), and
 :func:`panel_linear` computes ``F.linear(x, weight, bias)`` from them for any row count.  It is one
 candidate of :mod:`cbgen.model.gemm_choice`: it runs only where it was timed faster than the
 library GEMMs on this machine.  Both entry points check their arguments before calling into C.
@@ -23,18 +24,11 @@ def panel_available() -> bool:
     """Whether the panel GEMM runs here: the kernels built, for a CPU with AVX2 and FMA."""
     if not available():
         return False
-    probe = torch.ones(1, 1)
-    packed = torch.zeros(1, 1, PANEL)
-    out = torch.empty(1, 1)
-    lib = library()
-    return (
-        lib.cbgen_panel_pack(probe.data_ptr(), 1, 1, 1, 0, packed.data_ptr(), packed.numel()) == 0
-        and lib.cbgen_panel_gemm(
-            probe.data_ptr(), 1, packed.data_ptr(), packed.numel(), None, out.data_ptr(), 1, 1, 1, 1, 0
-        )
-        == 0
-        and out.item() == 1.0
-    )
+    try:
+        probe = torch.ones(1, 1)
+        return panel_linear(probe, panel_pack(probe), 1).item() == 1.0
+    except RuntimeError:  # built without AVX2 + FMA
+        return False
 
 
 def _dtype(t: torch.Tensor) -> int:
@@ -43,17 +37,27 @@ def _dtype(t: torch.Tensor) -> int:
     return _DTYPES[t.dtype]
 
 
-def panel_pack(weight: torch.Tensor) -> torch.Tensor:
-    """``weight [N, K]`` (float32 or bfloat16, contiguous rows) as float32 panels
-    ``[ceil(N / 16), K, 16]``, the columns past N zero (a copy, on huge pages where granted)."""
+def panel_pack(weight: torch.Tensor, panel_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """``weight [N, K]`` (float32 or bfloat16, contiguous rows) as panels ``[ceil(N / 16), K, 16]``
+    of ``panel_dtype`` (float32; bfloat16 only for a bfloat16 weight), the columns past N zero (a
+    copy, on huge pages where granted)."""
     if weight.dim() != 2:
         raise ValueError(f"panel_pack: expected a 2-D weight, got {tuple(weight.shape)}")
     n, k = weight.shape
     check_rows("weight", weight, n, k, weight.dtype)
     dtype = _dtype(weight)
-    packed = advise_huge_pages(torch.empty(((n + PANEL - 1) // PANEL, k, PANEL), dtype=torch.float32))
+    if panel_dtype not in _DTYPES or _DTYPES[panel_dtype] > dtype:
+        raise ValueError(f"panel_pack: {weight.dtype} weights pack into float32 panels, not {panel_dtype}")
+    packed = advise_huge_pages(torch.empty(((n + PANEL - 1) // PANEL, k, PANEL), dtype=panel_dtype))
     rc = library().cbgen_panel_pack(
-        weight.data_ptr(), weight.stride(0), n, k, dtype, packed.data_ptr(), packed.numel()
+        weight.data_ptr(),
+        weight.stride(0),
+        n,
+        k,
+        dtype,
+        packed.data_ptr(),
+        packed.numel(),
+        _DTYPES[panel_dtype],
     )
     if rc:
         raise ValueError(f"cbgen_panel_pack {_RC.get(rc, rc)} (weight [{n}, {k}])")
@@ -74,7 +78,7 @@ def panel_linear(
     dtype = _dtype(x)
     if (
         packed.dim() != 3
-        or packed.dtype != torch.float32
+        or packed.dtype not in (torch.float32, x.dtype)
         or packed.shape != ((n + PANEL - 1) // PANEL, k, PANEL)
         or not packed.is_contiguous()
     ):
@@ -95,6 +99,7 @@ def panel_linear(
         n,
         k,
         dtype,
+        _DTYPES[packed.dtype],
     )
     if rc:
         raise RuntimeError(f"cbgen_panel_gemm {_RC.get(rc, rc)} (x {tuple(x.shape)}, weight [{n}, {k}])")

@@ -8,10 +8,12 @@ projection weights, once per machine, and remembers the answer on disk.
 * Candidates (:func:`candidates`): ``plain`` (``F.linear`` on the user's weight, no copy),
   ``mkl_packed`` (float32; MKL's GEMM on a copy packed for one row count, which it only serves at
   that count), ``onednn_packed`` (oneDNN on a reordered copy, any row count; float32, and bfloat16
-  where oneDNN has a bf16 path), ``amx`` (bfloat16, our AMX kernel, where the CPU has AMX) and
-  ``gemv`` (float32 and bfloat16, our C kernel for single rows, where the C kernels build) and
-  ``panel`` (float32 and bfloat16, our register-blocked C GEMM on float32 panels, where the CPU has
-  AVX2 + FMA: on an AMD EPYC with AVX2 only it ran decode-sized GEMMs 1.3-1.5x faster than oneDNN).
+  where oneDNN has a bf16 path), ``amx`` (bfloat16, our AMX kernel, where the CPU has AMX),
+  ``gemv`` (float32 and bfloat16, our C kernel for single rows, where the C kernels build),
+  ``panel`` (float32 and bfloat16, our register-blocked C GEMM on float32 panels of 16 weight
+  columns, where the CPU has AVX2 + FMA: on an AMD EPYC with AVX2 only it ran decode-sized GEMMs
+  1.2-1.5x faster than oneDNN) and ``panel_bf16`` (the same on bfloat16 panels: half the bytes,
+  more vector work per FMA).
   A candidate that fails on a small probe is dropped.
 * Row classes: ``single`` steps (one row: a sequence decoding alone), ``decode`` steps (at most
   ``SPLIT_ROWS`` rows, timed at ``DECODE_ROWS``) and ``prefill`` steps (more rows, timed at
@@ -28,6 +30,7 @@ projection weights, once per machine, and remembers the answer on disk.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
@@ -123,7 +126,7 @@ def _gemv() -> Candidate:
     return Candidate("gemv", lambda w: w, apply)
 
 
-def _panel() -> Candidate:
+def _panel(panel_dtype: torch.dtype) -> Candidate:
     from cbgen.model import cpu_panel
 
     if not cpu_panel.panel_available():
@@ -134,7 +137,8 @@ def _panel() -> Candidate:
             return None  # zero rows (an LM head with nothing to sample): plain F.linear
         return cpu_panel.panel_linear(x, packed, weight.shape[0], bias)
 
-    return Candidate("panel", cpu_panel.panel_pack, apply)
+    name = "panel" if panel_dtype == torch.float32 else "panel_bf16"
+    return Candidate(name, lambda w: cpu_panel.panel_pack(w, panel_dtype), apply)
 
 
 def candidates(dtype: torch.dtype) -> dict[str, Candidate]:
@@ -153,7 +157,9 @@ def candidates(dtype: torch.dtype) -> dict[str, Candidate]:
         if cpu_amx.amx_available():
             makers.append(_amx)
     if dtype in (torch.float32, torch.bfloat16):
-        makers.extend((_gemv, _panel))
+        makers.extend((_gemv, functools.partial(_panel, torch.float32)))
+    if dtype == torch.bfloat16:
+        makers.append(functools.partial(_panel, torch.bfloat16))
     gen = torch.Generator().manual_seed(0)  # never the global RNG: a trainer's seeds stay its own
     weight = torch.randn(64, 64, generator=gen).to(dtype)
     for make in makers:
