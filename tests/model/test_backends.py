@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from cbgen import LLM
-from cbgen.model import cpu_amx, cpu_kernels, fused_decode, paged_ops
+from cbgen.model import cpu_decoder, cpu_kernels, fused_decode, paged_ops
 from cbgen.model.backends import CpuBackend, TorchBackend, choose_backend, select_backend
 from tiny_models import make_model
 
@@ -48,7 +48,7 @@ def test_engine_wires_one_backend_everywhere() -> None:
 
 @needs_c
 def test_decoder_layout_comes_from_the_library() -> None:
-    layout = cpu_amx.decoder_layout()
+    layout = cpu_decoder.decoder_layout()
     filled = {name for pair in fused_decode._C_PROJ_FIELDS for name in pair}
     filled |= {"POST_NORM", "NEXT_NORM", "K_CACHE", "V_CACHE", "WINDOW"}
     assert set(layout.word_fields) == filled

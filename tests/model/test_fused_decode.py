@@ -10,7 +10,7 @@ from transformers.models.llama.modeling_llama import LlamaRMSNorm, rotate_half
 
 import native_paths
 from cbgen import LLM, SamplingParams
-from cbgen.model import cpu_amx, cpu_kernels, fused_decode, packed_linears
+from cbgen.model import cpu_amx, cpu_decoder, cpu_kernels, fused_decode, packed_linears
 from cbgen.model.fused_decode import FusedDecoder
 from oracle import BF16, bf16_tolerance, bf16_ulp, compare, hf_greedy
 from tiny_models import make_model, make_prompts
@@ -104,6 +104,9 @@ def test_packed_grouped_projections_match_module_path(monkeypatch) -> None:
 
     monkeypatch.setattr(fused_decode.PackedLinears, "_pack", counting)
     monkeypatch.setattr(fused_decode.PackedLinears, "group", grouped)
+    # The Python loop, where the groups are visible (the one-call C step, where this machine's GEMM
+    # has one, runs the same packed groups and is held to the loop by test_c_decoder_step_*).
+    monkeypatch.setattr(FusedDecoder, "_build_c_layers", staticmethod(lambda *a: None))
     fused = _run(model, prompts, params)
     assert groups.count(3) == 2 and groups.count(2) == 2  # q/k/v and gate/up packed, per layer
     assert {(3, 64), (2, 64)} <= served  # and the 64-row decode steps ran them as one GEMM each
@@ -228,26 +231,41 @@ def test_bf16_kernels_round_where_the_modules_do(width: int) -> None:
     assert 0.1 < (got_q != module_q).float().mean() < 0.6
 
 
-@pytest.mark.native("amx")
+C_STEP_CASES = [
+    pytest.param(torch.bfloat16, "amx", id="amx-bf16", marks=pytest.mark.native("amx")),
+    pytest.param(torch.float32, "panel", id="panel-fp32", marks=pytest.mark.native("avx2")),
+    pytest.param(torch.bfloat16, "panel", id="panel-bf16", marks=pytest.mark.native("avx2")),
+    pytest.param(torch.bfloat16, "panel_bf16", id="panel_bf16-bf16", marks=pytest.mark.native("avx2")),
+]
+
+
+@pytest.mark.parametrize(("dtype", "gemm"), C_STEP_CASES)
 @pytest.mark.parametrize("bias", [False, True])
-def test_c_decoder_step_equals_python_loop(monkeypatch, bias) -> None:
-    """The one-call C decode step (csrc/cpu_decoder.c) computes exactly what the Python loop over
-    the same kernels does: identical tokens and logprobs, over 40 sequences (rows off the 16-row
-    tiles) and enough steps to cross KV blocks; it is used for every decode step."""
-    model = make_model("llama", dtype=torch.bfloat16, attention_bias=bias, mlp_bias=bias, **WIDE)
+def test_c_decoder_step_equals_python_loop(monkeypatch, dtype, gemm, bias) -> None:
+    """The one-call C decode step (csrc/cpu_decoder.c), on each GEMM it calls, computes exactly what
+    the Python loop over the same kernels does: identical tokens and logprobs, over 40 sequences
+    (rows off the 16-row tiles), then fewer as they finish apart, down to one, and enough steps to
+    cross KV blocks; it is used for every decode step."""
+    if gemm != "amx":
+        monkeypatch.setenv("CBGEN_GEMM", gemm)  # every row class on that GEMM
+    model = make_model("llama", dtype=dtype, attention_bias=bias, mlp_bias=bias, **WIDE)
     prompts = make_prompts(40, lengths=(3, 30))
-    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=3)
+    params = [
+        SamplingParams(max_tokens=12 if i else 16, temperature=0.0, ignore_eos=True, logprobs=3)
+        for i in range(len(prompts))
+    ]
     c_steps = [0]
-    original = cpu_amx.decoder_step
+    original = cpu_decoder.decoder_step
 
     def counting(*args, **kwargs):
+        assert args[0] == gemm
         c_steps[0] += 1
         return original(*args, **kwargs)
 
-    monkeypatch.setattr(cpu_amx, "decoder_step", counting)
+    monkeypatch.setattr(cpu_decoder, "decoder_step", counting)
     with_c = _run(model, prompts, params)
     used = c_steps[0]
-    assert used >= 11  # every decode step (the first token comes from prefill steps)
+    assert used >= 15  # every decode step (the first token comes from prefill steps)
     monkeypatch.setattr(FusedDecoder, "_build_c_layers", staticmethod(lambda *a: None))
     python_loop = _run(model, prompts, params)
     assert c_steps[0] == used  # the second run took the Python loop

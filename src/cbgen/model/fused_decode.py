@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from cbgen.model import cpu_amx, cpu_kernels, gemm_choice
+from cbgen.model import cpu_amx, cpu_decoder, cpu_kernels, gemm_choice
 from cbgen.model.attention import AttentionMetadata
 from cbgen.model.backends import CpuBackend
 from cbgen.model.packed_linears import AMX_MAX_ROWS, PackedLinears
@@ -122,7 +122,7 @@ def _contiguous_weights(model: nn.Module) -> bool:
     return all(p.is_contiguous() for p in model.parameters())
 
 
-# Record fields of the one-call C step, per projection group (see cpu_amx.DecoderLayout).
+# Record fields of the one-call C step, per projection group (see cpu_decoder.DecoderLayout).
 _C_PROJ_FIELDS = (("W_QKV", "B_QKV"), ("W_O", "B_O"), ("W_GATE_UP", "B_GATE_UP"), ("W_DOWN", "B_DOWN"))
 
 
@@ -217,7 +217,8 @@ class FusedDecoder:
         self._prepack = prepack
         self._linear: PackedLinears | None = None
         self._versions: list[int] | None = None  # parameter versions the packed copies were made at
-        self._c_table: tuple | None = None  # (key, layer records or None, what the key's ids name)
+        # per GEMM name: (key, layer records or None, what the key's ids name)
+        self._c_tables: dict[str, tuple] = {}
 
     def weights_changed(self) -> None:
         """Drops packed weight copies (call when weights changed in a way no version counter shows)."""
@@ -330,23 +331,39 @@ class FusedDecoder:
                 self._linear.entry(modules)
         self._linear.entry((plan.lm_head,))
 
-    def _c_layers(self, plan: _Plan, linear: PackedLinears, meta: AttentionMetadata) -> tuple | None:
-        """The layer records of :func:`cbgen.model.cpu_amx.decoder_step` for this plan, packed
-        weights and KV cache, or None when the model does not fit it (see :meth:`_build_c_layers`).
-        Rebuilt only when one of those changes."""
+    def _c_layers(
+        self, plan: _Plan, linear: PackedLinears, meta: AttentionMetadata, rows: int
+    ) -> tuple | None:
+        """``(gemm, words, floats, dims)`` for :func:`cbgen.model.cpu_decoder.decoder_step` on a
+        decode step of ``rows`` rows: the records of this plan, packed weights and KV cache for the
+        GEMM that step uses, or None when the model or that GEMM does not fit the C step (see
+        :meth:`_build_c_layers`).  Rebuilt only when one of those changes."""
+        gemm = linear.plan.for_rows(rows).name
+        if gemm == "amx" and rows > AMX_MAX_ROWS:
+            return None  # the AMX candidate hands such steps to torch's GEMM
         key = (id(plan), id(linear), linear.generation, meta.kv_caches[0][0].data_ptr(), len(meta.kv_caches))
-        cached = self._c_table
+        cached = self._c_tables.get(gemm)
         if cached is None or cached[0] != key:
             # The plan and PackedLinears are held so that their ids in the key stay theirs.
-            cached = self._c_table = (key, self._build_c_layers(plan, linear, meta), plan, linear)
-        return cached[1]
+            cached = self._c_tables[gemm] = (
+                key,
+                self._build_c_layers(plan, linear, meta, gemm),
+                plan,
+                linear,
+            )
+        return None if cached[1] is None else (gemm, *cached[1])
 
     @staticmethod
-    def _build_c_layers(plan: _Plan, linear: PackedLinears, meta: AttentionMetadata) -> tuple | None:
+    def _build_c_layers(
+        plan: _Plan, linear: PackedLinears, meta: AttentionMetadata, gemm: str
+    ) -> tuple | None:
         """(words, floats, (heads, kv heads, head_dim, intermediate, block size, blocks)) when every layer's
-        projections are AMX-packed, bf16, with uniform shapes and no q/k norms; else None.  Records
-        are filled by field name, in the layout the library reports (cpu_amx.decoder_layout)."""
-        if plan.dtype != torch.bfloat16 or not cpu_amx.amx_available():
+        projections are packed for ``gemm`` (a GEMM the C step calls: AMX, or the panel GEMM), with
+        uniform shapes and no q/k norms; else None.  Records are filled by field name, in the
+        layout the library reports (cpu_decoder.decoder_layout)."""
+        if gemm not in cpu_decoder.GEMMS or plan.dtype not in (torch.float32, torch.bfloat16):
+            return None
+        if gemm == "amx" and (plan.dtype != torch.bfloat16 or not cpu_amx.amx_available()):
             return None
         first = plan.layers[0]
         d = first.head_dim
@@ -365,16 +382,16 @@ class FusedDecoder:
                 or layer.gate_up[0].weight.shape[0] != inter
                 or tuple(k_cache.shape) != (num_blocks, block_size, kv_heads, d)
                 or v_cache.shape != k_cache.shape
-                or k_cache.dtype != torch.bfloat16
-                or any(w.dtype != torch.bfloat16 for w in (layer.post_norm[0], next_norm[0]))
+                or k_cache.dtype != plan.dtype
+                or any(w.dtype != plan.dtype for w in (layer.post_norm[0], next_norm[0]))
             ):
                 return None
             row = {}
             groups = (layer.qkv, (layer.o_proj,), layer.gate_up, (layer.down_proj,))
             for (weight_field, bias_field), modules in zip(_C_PROJ_FIELDS, groups):
                 entry = linear.entry(modules, checked=False)
-                packed = entry.packed.get("amx") if entry is not None else None
-                if packed is None or linear.plan.decode.name != "amx":
+                packed = entry.packed.get(gemm) if entry is not None else None
+                if packed is None:
                     return None
                 row[weight_field] = packed.data_ptr()
                 row[bias_field] = 0 if entry.bias is None else entry.bias.data_ptr()
@@ -382,7 +399,7 @@ class FusedDecoder:
             row.update(K_CACHE=k_cache.data_ptr(), V_CACHE=v_cache.data_ptr(), WINDOW=layer.window)
             words.append(row)
             floats.append({"POST_EPS": layer.post_norm[1], "NEXT_EPS": next_norm[1], "SCALE": layer.scaling})
-        records = cpu_amx.decoder_layout().records(words, floats)
+        records = cpu_decoder.decoder_layout().records(words, floats)
         return (*records, (heads, kv_heads, d, inter, block_size, num_blocks))
 
     def forward(
@@ -405,11 +422,21 @@ class FusedDecoder:
             table = meta.decode_block_table.to(torch.int32).contiguous()
             seq_lens = meta.decode_seq_lens.to(torch.int32).contiguous()
             slots = meta.slot_mapping.to(torch.int64).contiguous()
-            c_layers = self._c_layers(plan, linear, meta) if tokens <= AMX_MAX_ROWS else None
+            c_layers = self._c_layers(plan, linear, meta, tokens) if linear.enabled else None
             if c_layers is not None:
-                words, floats, dims = c_layers
-                x = cpu_amx.decoder_step(
-                    words, floats, plan.layers[0].in_norm, hidden, cos, sin, table, seq_lens, slots, *dims
+                gemm, words, floats, dims = c_layers
+                x = cpu_decoder.decoder_step(
+                    gemm,
+                    words,
+                    floats,
+                    plan.layers[0].in_norm,
+                    hidden,
+                    cos,
+                    sin,
+                    table,
+                    seq_lens,
+                    slots,
+                    *dims,
                 )
                 return linear(x.index_select(0, rows), plan.lm_head, False)
         x = torch.empty_like(hidden)

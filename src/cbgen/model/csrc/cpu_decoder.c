@@ -1,13 +1,19 @@
-/* A whole bf16 decode step of a Llama-family model in one call: every layer's projections (AMX,
- * csrc/cpu_gemm.c), rotary embedding, KV store, paged decode attention, residual adds and norms.
+/* A whole decode step of a Llama-family model in one call: every layer's projections, rotary
+ * embedding, KV store, paged decode attention, residual adds and norms.
  *
  * Why: the same kernels called one by one from Python cost ~10 calls a layer, each with tens of
  * microseconds of interpreter and binding work that runs with cold caches (a step streams ~0.5 GB
- * of weights and KV through them).  That was ~15% of a 64-row bf16 decode step on SmolLM2.  The
- * math and rounding are exactly those of the Python loop in fused_decode.py, which tests hold to.
+ * of weights and KV through them).  That was ~15% of a 64-row bf16 decode step on SmolLM2 (Intel,
+ * AMX), and more of a one-row step.  The math and rounding are exactly those of the Python loop in
+ * fused_decode.py, which tests hold to.
+ *
+ * dtype: 0 = float32, 1 = bfloat16 (activations, norms, biases, KV cache).  gemm: which kernel runs
+ * the projections and so what the weight pointers point to: 0 = AMX (bf16 only; amx_pack layouts,
+ * csrc/cpu_gemm.c), 1 = the panel GEMM on float32 panels, 2 = the panel GEMM on bf16 panels
+ * (cbgen_panel_pack layouts, csrc/cpu_panel.c).
  *
  * Layer records (fused_decode.py builds them): LAYER_WORDS int64 words and LAYER_FLOATS floats each,
- * indexed by the enums below.  Pointers to packed weights are amx_pack layouts; biases may be 0.
+ * indexed by the enums below.  Biases may be 0.
  *
  * The field lists below are the one definition of that layout: they make the enums, and
  * cbgen_decoder_layout() hands the same names, in order, with the record sizes, to cpu_kernels.py
@@ -18,6 +24,8 @@
 
 int cbgen_amx_linear(const uint16_t *x, int64_t xs, const uint16_t *wp, const uint16_t *bias, uint16_t *out,
                      int64_t os, int64_t M, int64_t N, int64_t K);
+int cbgen_panel_gemm(const void *x, int64_t x_stride, const void *packed, int64_t packed_size, const void *bias,
+                     void *out, int64_t out_stride, int64_t M, int64_t N, int64_t K, int dtype, int pdtype);
 int cbgen_add_rmsnorm(void *x, const void *delta, const void *weight, void *out, int64_t rows, int64_t n,
                       int64_t x_stride, int64_t delta_stride, int64_t out_stride, float eps, int dtype);
 int cbgen_rope(void *q, void *k, const void *cos, const void *sin, int64_t T, int H, int Hk, int D,
@@ -53,39 +61,55 @@ const char *cbgen_decoder_layout(int64_t *words, int64_t *floats) {
     return DECODER_WORDS(AS_NAME) ";" DECODER_FLOATS(AS_NAME);
 }
 
-#define P16(word) ((uint16_t *)(intptr_t)(word))
+#define PTR(word) ((void *)(intptr_t)(word))
 #define TRY(stage, call)                                                                                                \
     do {                                                                                                               \
         if ((call) != 0) return 1 + (int)(l * 16 + (stage));                                                           \
     } while (0)
 
+/* out [M, N] (row stride os) = x [M, K] (row stride xs) W^T + bias on the step's GEMM. */
+static int project(const void *x, int64_t xs, int64_t w, int64_t bias, void *out, int64_t os, int64_t M, int64_t N,
+                   int64_t K, int dtype, int gemm) {
+    if (gemm == 0)
+        return dtype == 1 ? cbgen_amx_linear((const uint16_t *)x, xs, (const uint16_t *)PTR(w),
+                                             (const uint16_t *)PTR(bias), (uint16_t *)out, os, M, N, K)
+                          : 1;
+    const int64_t packed = (N + 15) / 16 * K * 16; /* cbgen_panel_pack's size for this weight */
+    return cbgen_panel_gemm(x, xs, PTR(w), packed, PTR(bias), out, os, M, N, K, dtype, gemm - 1);
+}
+
 /* hidden [T, E] (the residual stream, updated in place) -> x [T, E], the final norm's output.
- * Scratch: qkv [T, (H + 2 Hkv) D], attn [T, H D], gate_up [T, 2 I], act [T, I], delta [T, E].
- * Returns 0, or 1 + 16 * layer + stage of the first kernel that failed. */
-int cbgen_decoder_step(const int64_t *layers, const float *floats, int n_layers, const uint16_t *first_norm,
-                       float first_eps, uint16_t *hidden, uint16_t *x, uint16_t *qkv, uint16_t *attn, uint16_t *gate_up,
-                       uint16_t *act, uint16_t *delta, const uint16_t *cos, const uint16_t *sin, const int32_t *table,
-                       int64_t table_stride, int64_t table_width, const int32_t *seq_lens, const int64_t *slots,
-                       int64_t T, int64_t E, int H, int Hkv, int D, int64_t I, int block_size, int64_t num_blocks) {
+ * Scratch: qkv [T, (H + 2 Hkv) D], attn [T, H D], gate_up [T, 2 I], act [T, I], delta [T, E], all of
+ * dtype.  Returns 0, 1 for a bad dtype or gemm, or 1 + 16 * layer + stage of the first kernel that
+ * failed. */
+int cbgen_decoder_step(const int64_t *layers, const float *floats, int n_layers, const void *first_norm,
+                       float first_eps, void *hidden, void *x, void *qkv, void *attn, void *gate_up, void *act,
+                       void *delta, const void *cos, const void *sin, const int32_t *table, int64_t table_stride,
+                       int64_t table_width, const int32_t *seq_lens, const int64_t *slots, int64_t T, int64_t E, int H,
+                       int Hkv, int D, int64_t I, int block_size, int64_t num_blocks, int dtype, int gemm) {
+    if (dtype < 0 || dtype > 1 || gemm < 0 || gemm > 2 || (gemm == 0 && dtype != 1)) return 1;
     const int64_t qd = (int64_t)H * D, kd = (int64_t)Hkv * D, nqkv = qd + 2 * kd;
+    const int esize = dtype == 0 ? 4 : 2;
+    char *const q = (char *)qkv, *const k = q + qd * esize, *const v = k + kd * esize;
+    char *const up = (char *)gate_up + I * esize;
     int l = 0;
-    TRY(0, cbgen_add_rmsnorm(hidden, 0, first_norm, x, T, E, E, 0, E, first_eps, 1));
+    TRY(0, cbgen_add_rmsnorm(hidden, 0, first_norm, x, T, E, E, 0, E, first_eps, dtype));
     for (l = 0; l < n_layers; ++l) {
         const int64_t *w = layers + (int64_t)l * LAYER_WORDS;
         const float *f = floats + (int64_t)l * LAYER_FLOATS;
-        TRY(1, cbgen_amx_linear(x, E, P16(w[W_QKV]), P16(w[B_QKV]), qkv, nqkv, T, nqkv, E));
-        TRY(2, cbgen_rope(qkv, qkv + qd, cos, sin, T, H, Hkv, D, nqkv, nqkv, 1));
-        TRY(3, cbgen_store_kv(qkv + qd, nqkv, qkv + qd + kd, nqkv, (void *)(intptr_t)w[K_CACHE],
-                              (void *)(intptr_t)w[V_CACHE], slots, T, kd, 2, num_blocks * block_size));
-        TRY(4, cbgen_paged_decode(qkv, nqkv, (const void *)(intptr_t)w[K_CACHE], (const void *)(intptr_t)w[V_CACHE],
-                                  table, table_stride, table_width, seq_lens, attn, T, H, Hkv, D, block_size,
-                                  num_blocks, f[SCALE], w[WINDOW], 0.0f, 1, 0));
-        TRY(5, cbgen_amx_linear(attn, qd, P16(w[W_O]), P16(w[B_O]), delta, E, T, E, qd));
-        TRY(6, cbgen_add_rmsnorm(hidden, delta, P16(w[POST_NORM]), x, T, E, E, E, E, f[POST_EPS], 1));
-        TRY(7, cbgen_amx_linear(x, E, P16(w[W_GATE_UP]), P16(w[B_GATE_UP]), gate_up, 2 * I, T, 2 * I, E));
-        TRY(8, cbgen_silu_mul(gate_up, gate_up + I, act, T, I, 2 * I, 2 * I, I, 1));
-        TRY(9, cbgen_amx_linear(act, I, P16(w[W_DOWN]), P16(w[B_DOWN]), delta, E, T, E, I));
-        TRY(10, cbgen_add_rmsnorm(hidden, delta, P16(w[NEXT_NORM]), x, T, E, E, E, E, f[NEXT_EPS], 1));
+        TRY(1, project(x, E, w[W_QKV], w[B_QKV], qkv, nqkv, T, nqkv, E, dtype, gemm));
+        TRY(2, cbgen_rope(q, k, cos, sin, T, H, Hkv, D, nqkv, nqkv, dtype));
+        TRY(3, cbgen_store_kv(k, nqkv, v, nqkv, PTR(w[K_CACHE]), PTR(w[V_CACHE]), slots, T, kd, esize,
+                              num_blocks * block_size));
+        TRY(4, cbgen_paged_decode(q, nqkv, PTR(w[K_CACHE]), PTR(w[V_CACHE]), table, table_stride, table_width,
+                                  seq_lens, attn, T, H, Hkv, D, block_size, num_blocks, f[SCALE], w[WINDOW], 0.0f,
+                                  dtype, 0));
+        TRY(5, project(attn, qd, w[W_O], w[B_O], delta, E, T, E, qd, dtype, gemm));
+        TRY(6, cbgen_add_rmsnorm(hidden, delta, PTR(w[POST_NORM]), x, T, E, E, E, E, f[POST_EPS], dtype));
+        TRY(7, project(x, E, w[W_GATE_UP], w[B_GATE_UP], gate_up, 2 * I, T, 2 * I, E, dtype, gemm));
+        TRY(8, cbgen_silu_mul(gate_up, up, act, T, I, 2 * I, 2 * I, I, dtype));
+        TRY(9, project(act, I, w[W_DOWN], w[B_DOWN], delta, E, T, E, I, dtype, gemm));
+        TRY(10, cbgen_add_rmsnorm(hidden, delta, PTR(w[NEXT_NORM]), x, T, E, E, E, E, f[NEXT_EPS], dtype));
     }
     return 0;
 }

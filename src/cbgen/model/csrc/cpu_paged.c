@@ -307,18 +307,96 @@ static void decode_task_fast(const void *q, int64_t qs, const void *kc, const vo
 
 #if defined(__AVX2__) && defined(__FMA__)
 
-/* r[j] = sum of v[j]'s 8 lanes, for 8 vectors at once (two rounds of hadd, then the two halves). */
-static inline __attribute__((always_inline)) __m256 hsum8x8(const __m256 v[8]) {
-    const __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
-    const __m256 u1 = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
-    return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+/* r[j] = sum of v[j]'s 8 lanes, for 4 vectors at once. */
+static inline __attribute__((always_inline)) __m128 hsum4x8(const __m256 v[4]) {
+    const __m256 u = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
+    return _mm_add_ps(_mm256_castps256_ps128(u), _mm256_extractf128_ps(u, 1));
 }
 
-/* decode_task for D % 8 == 0 (D <= 256) with AVX2 + FMA: the AVX-512 loops' structure at 8 lanes
- * (scores 8 tokens at a time, reduced together; a head's value accumulators in registers through a
- * block).  On a CPU without AVX-512 the portable loops ran at ~2 GB/s of KV, a tenth of the memory
- * bandwidth, which made an 8k-token decode step mostly attention.  ws: R*D scaled queries, then R*cap
- * scores. */
+/* The query rows of one kv head are taken GROUP at a time, so each key and value vector is loaded
+ * once for all of them: on an AMD EPYC with AVX2 only the loops were bound by vector loads (a load
+ * per FMA while every query row reloaded the keys), not by FMAs or memory bandwidth. */
+enum { GROUP = 3 };
+
+/* How many query rows from row r0 on share its kv head and go together (rows are kv-head major). */
+static inline int gb_step(int r0, int G) {
+    const int left = G - r0 % G;
+    return left < GROUP ? left : GROUP;
+}
+
+/* Scores of gb (<= GROUP) consecutive query rows (qf, D apart) against cnt tokens from cache element
+ * `first` (+ hd, the kv head's offset), 4 tokens at a time; row g's scores go to sg + g * cap. */
+static inline __attribute__((always_inline)) void group_scores(const float *qf, const int D, const void *kc,
+                                                               int64_t first, int64_t tok_stride, int64_t hd,
+                                                               int64_t cnt, float *sg, int64_t cap, float softcap,
+                                                               const int dtype, const int gb) {
+    for (int64_t t0 = 0; t0 < cnt; t0 += 4) {
+        const int m = (cnt - t0) < 4 ? (int)(cnt - t0) : 4;
+        int64_t row[4]; /* rows past the block's end repeat its last row; their lanes are dropped */
+        for (int t = 0; t < 4; ++t) row[t] = first + (t0 + (t < m ? t : m - 1)) * tok_stride + hd;
+        __m256 sv[GROUP][4];
+        for (int g = 0; g < gb; ++g)
+            for (int t = 0; t < 4; ++t) sv[g][t] = _mm256_setzero_ps();
+        for (int i = 0; i < D / 8; ++i) {
+            __m256 qv[GROUP];
+            for (int g = 0; g < gb; ++g) qv[g] = _mm256_loadu_ps(qf + g * D + i * 8);
+            for (int t = 0; t < 4; ++t) {
+                const __m256 kv = ld8(kc, row[t] + i * 8, dtype);
+                for (int g = 0; g < gb; ++g) sv[g][t] = _mm256_fmadd_ps(qv[g], kv, sv[g][t]);
+            }
+        }
+        for (int g = 0; g < gb; ++g) {
+            float *dst = sg + g * cap + t0;
+            if (m == 4 && !(softcap > 0.f)) {
+                _mm_storeu_ps(dst, hsum4x8(sv[g]));
+            } else {
+                float sc[4];
+                _mm_storeu_ps(sc, hsum4x8(sv[g]));
+                for (int t = 0; t < m; ++t) dst[t] = softcap > 0.f ? tanhf(sc[t] / softcap) * softcap : sc[t];
+            }
+        }
+    }
+}
+
+/* acc rows g < gb (ar + g * D) += sum over cnt tokens of p[g][t] * value[t], p[g] at pg + g * cap;
+ * 4 value vectors (32 elements) of a token at a time, each loaded once for the gb rows (12
+ * accumulators, 3 probabilities and the value: all 16 registers). */
+static inline __attribute__((always_inline)) void group_values(const float *pg, int64_t cap, float *ar, const int D,
+                                                               const void *vc, int64_t first, int64_t tok_stride,
+                                                               int64_t hd, int64_t cnt, const int dtype,
+                                                               const int gb) {
+    for (int i0 = 0; i0 < D / 8; i0 += 4) {
+        const int w = (D / 8 - i0) < 4 ? D / 8 - i0 : 4;
+        __m256 a[GROUP][4];
+        for (int g = 0; g < gb; ++g)
+            for (int i = 0; i < w; ++i) a[g][i] = _mm256_loadu_ps(ar + g * D + (i0 + i) * 8);
+        for (int64_t t = 0; t < cnt; ++t) {
+            const int64_t o = first + t * tok_stride + hd + i0 * 8;
+            __m256 p[GROUP];
+            for (int g = 0; g < gb; ++g) p[g] = _mm256_broadcast_ss(pg + g * cap + t);
+            for (int i = 0; i < w; ++i) {
+                const __m256 v = ld8(vc, o + i * 8, dtype);
+                for (int g = 0; g < gb; ++g) a[g][i] = _mm256_fmadd_ps(p[g], v, a[g][i]);
+            }
+        }
+        for (int g = 0; g < gb; ++g)
+            for (int i = 0; i < w; ++i) _mm256_storeu_ps(ar + g * D + (i0 + i) * 8, a[g][i]);
+    }
+}
+
+/* The group functions with gb a constant (so their arrays are registers). */
+#define CB_GROUPS(call)                                                                                                \
+    do {                                                                                                               \
+        if (gb == 3) call(3);                                                                                          \
+        else if (gb == 2) call(2);                                                                                     \
+        else call(1);                                                                                                  \
+    } while (0)
+
+/* decode_task for D % 8 == 0 (D <= 256) with AVX2 + FMA: a kv head's query rows GROUP at a time,
+ * over 4 tokens for the scores and over 32 value elements for the values, accumulators in registers
+ * through a block.  On a CPU without AVX-512 the portable loops ran at ~2 GB/s of KV, a tenth of the
+ * memory bandwidth, which made an 8k-token decode step mostly attention.  ws: R*D scaled queries,
+ * then R*cap scores. */
 static inline __attribute__((always_inline)) void decode_task_avx2(
     const void *q, int64_t qs, const void *kc, const void *vc, const int32_t *table, int64_t j0, int64_t j1,
     int64_t b, int h0, int h1, int H, int Hkv, const int D, int bs, float scale, float softcap, const int dtype,
@@ -340,71 +418,22 @@ static inline __attribute__((always_inline)) void decode_task_avx2(
                 prefetch_block(cache, table[blk + 1], (j1 - j - cnt) < bs ? (j1 - j - cnt) : bs, bs, tok_stride, h0,
                                D, esize, span);
             if (pass == 0) {
-                for (int64_t t0 = 0; t0 < cnt; t0 += 8) {
-                    const int m = (cnt - t0) < 8 ? (int)(cnt - t0) : 8;
-                    int64_t row[8]; /* rows past the block's end repeat its last row; their lanes are dropped */
-                    for (int t = 0; t < 8; ++t) row[t] = first + (t0 + (t < m ? t : m - 1)) * tok_stride;
-                    for (int r = 0; r < R; ++r) {
-                        const int64_t hd = (int64_t)(h0 + r / G) * D;
-                        __m256 sv[8];
-                        for (int t = 0; t < 8; ++t) sv[t] = _mm256_setzero_ps();
-                        for (int i = 0; i < nv; ++i) {
-                            const __m256 qv = _mm256_loadu_ps(qf + r * D + i * 8);
-                            for (int t = 0; t < 8; ++t) sv[t] = _mm256_fmadd_ps(qv, ld8(kc, row[t] + hd + i * 8, dtype), sv[t]);
-                        }
-                        float *sg = scores + (size_t)r * cap + (j - j0) + t0;
-                        if (m == 8 && !(softcap > 0.f)) {
-                            _mm256_storeu_ps(sg, hsum8x8(sv));
-                        } else {
-                            float sc[8];
-                            _mm256_storeu_ps(sc, hsum8x8(sv));
-                            for (int t = 0; t < m; ++t) sg[t] = softcap > 0.f ? tanhf(sc[t] / softcap) * softcap : sc[t];
-                        }
-                    }
+                for (int r0 = 0; r0 < R; r0 += gb_step(r0, G)) {
+                    const int gb = gb_step(r0, G);
+                    const int64_t hd = (int64_t)(h0 + r0 / G) * D;
+                    float *sg = scores + (size_t)r0 * cap + (j - j0);
+#define CB_SCORES(GB) group_scores(qf + r0 * D, D, kc, first, tok_stride, hd, cnt, sg, cap, softcap, dtype, GB)
+                    CB_GROUPS(CB_SCORES);
+#undef CB_SCORES
                 }
             } else {
-                for (int r = 0; r < R; ++r) {
-                    const int64_t hd = (int64_t)(h0 + r / G) * D;
-                    const float *pg = scores + (size_t)r * cap + (j - j0);
-                    float *ar = acc + r * D;
-                    if (nv <= 4) {
-                        /* Two accumulator sets over alternating tokens: one set's FMA latency chain
-                         * would bound a small head. */
-                        __m256 a[2][4];
-                        for (int i = 0; i < nv; ++i) {
-                            a[0][i] = _mm256_loadu_ps(ar + i * 8);
-                            a[1][i] = _mm256_setzero_ps();
-                        }
-                        int64_t t = 0;
-                        for (; t + 2 <= cnt; t += 2)
-                            for (int u = 0; u < 2; ++u) {
-                                const int64_t o = first + (t + u) * tok_stride + hd;
-                                const __m256 pv = _mm256_set1_ps(pg[t + u]);
-                                for (int i = 0; i < nv; ++i) a[u][i] = _mm256_fmadd_ps(pv, ld8(vc, o + i * 8, dtype), a[u][i]);
-                            }
-                        for (; t < cnt; ++t) {
-                            const int64_t o = first + t * tok_stride + hd;
-                            const __m256 pv = _mm256_set1_ps(pg[t]);
-                            for (int i = 0; i < nv; ++i) a[0][i] = _mm256_fmadd_ps(pv, ld8(vc, o + i * 8, dtype), a[0][i]);
-                        }
-                        for (int i = 0; i < nv; ++i) _mm256_storeu_ps(ar + i * 8, _mm256_add_ps(a[0][i], a[1][i]));
-                    } else if (nv <= 16) { /* one set in registers: nv independent chains already */
-                        __m256 a[16];
-                        for (int i = 0; i < nv; ++i) a[i] = _mm256_loadu_ps(ar + i * 8);
-                        for (int64_t t = 0; t < cnt; ++t) {
-                            const int64_t o = first + t * tok_stride + hd;
-                            const __m256 pv = _mm256_set1_ps(pg[t]);
-                            for (int i = 0; i < nv; ++i) a[i] = _mm256_fmadd_ps(pv, ld8(vc, o + i * 8, dtype), a[i]);
-                        }
-                        for (int i = 0; i < nv; ++i) _mm256_storeu_ps(ar + i * 8, a[i]);
-                    } else {
-                        for (int64_t t = 0; t < cnt; ++t) {
-                            const int64_t o = first + t * tok_stride + hd;
-                            const __m256 pv = _mm256_set1_ps(pg[t]);
-                            for (int i = 0; i < nv; ++i)
-                                _mm256_storeu_ps(ar + i * 8, _mm256_fmadd_ps(pv, ld8(vc, o + i * 8, dtype), _mm256_loadu_ps(ar + i * 8)));
-                        }
-                    }
+                for (int r0 = 0; r0 < R; r0 += gb_step(r0, G)) {
+                    const int gb = gb_step(r0, G);
+                    const int64_t hd = (int64_t)(h0 + r0 / G) * D;
+                    const float *pg = scores + (size_t)r0 * cap + (j - j0);
+#define CB_VALUES(GB) group_values(pg, cap, acc + r0 * D, D, vc, first, tok_stride, hd, cnt, dtype, GB)
+                    CB_GROUPS(CB_VALUES);
+#undef CB_VALUES
                 }
             }
             j += cnt;
