@@ -78,7 +78,8 @@ test-suite: $(VENV)/.installed-test
 # the run with a report instead of returning wrong numbers.  Python is not instrumented, so the
 # sanitizer runtime (and libstdc++, whose exceptions it intercepts) is preloaded.
 CC ?= cc
-ASAN_TESTS ?= tests/model/test_arg_checks.py tests/model/test_cpu_kernels.py tests/model/test_fused_decode.py
+ASAN_TESTS ?= tests/model/test_arg_checks.py tests/model/test_cpu_kernels.py tests/model/test_cpu_panel.py \
+	tests/model/test_fused_decode.py
 test-asan: $(VENV)/.installed-test
 	$(REQUIRE_KERNELS) CBGEN_SANITIZE=address ASAN_OPTIONS=detect_leaks=0 \
 	LD_PRELOAD="$$($(CC) -print-file-name=libasan.so) $$($(CC) -print-file-name=libstdc++.so)" \

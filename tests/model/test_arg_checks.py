@@ -10,7 +10,7 @@ import pytest
 import torch
 from paged_cases import make_case
 
-from cbgen.model import cpu_amx, cpu_kernels, flash_ops, triton_ops
+from cbgen.model import cpu_amx, cpu_decoder, cpu_kernels, flash_ops, triton_ops
 
 native_c = pytest.mark.native("c")
 
@@ -128,9 +128,14 @@ def test_amx_entry_points_refuse_mismatched_shapes():
         cpu_amx.amx_linear(
             torch.randn(4, 64).to(torch.bfloat16), packed, torch.zeros(32, dtype=torch.bfloat16)
         )
-    layout = cpu_amx.decoder_layout()
+
+
+@native_c
+def test_decoder_step_refuses_mismatched_arguments():
+    layout = cpu_decoder.decoder_layout()
     hidden = torch.randn(2, 64).to(torch.bfloat16)
     args = dict(
+        gemm="panel",
         words=torch.zeros(1, layout.words + 1, dtype=torch.int64),
         floats=torch.zeros(1, layout.floats),
         first_norm=(torch.ones(64, dtype=torch.bfloat16), 1e-6),
@@ -143,12 +148,18 @@ def test_amx_entry_points_refuse_mismatched_shapes():
     )
     dims = dict(heads=4, kv_heads=2, head_dim=16, intermediate=64, block_size=8, num_blocks=4)
     with pytest.raises(ValueError, match="words"):
-        cpu_amx.decoder_step(**args, **dims)
+        cpu_decoder.decoder_step(**args, **dims)
     args["words"] = torch.zeros(1, layout.words, dtype=torch.int64)
+    with pytest.raises(ValueError, match="gemm"):
+        cpu_decoder.decoder_step(**{**args, "gemm": "onednn_packed"}, **dims)
     with pytest.raises(ValueError, match="cos"):
-        cpu_amx.decoder_step(**{**args, "cos": torch.zeros(3, 16, dtype=torch.bfloat16)}, **dims)
+        cpu_decoder.decoder_step(**{**args, "cos": torch.zeros(3, 16, dtype=torch.bfloat16)}, **dims)
+    with pytest.raises(ValueError, match="cos"):  # float32 tables for bf16 activations
+        cpu_decoder.decoder_step(**{**args, "cos": torch.zeros(2, 16)}, **dims)
     with pytest.raises(ValueError, match="slots"):
-        cpu_amx.decoder_step(**{**args, "slots": torch.zeros(2, dtype=torch.int32)}, **dims)
+        cpu_decoder.decoder_step(**{**args, "slots": torch.zeros(2, dtype=torch.int32)}, **dims)
+    with pytest.raises(ValueError, match="float32 or bfloat16"):
+        cpu_decoder.decoder_step(**{**args, "hidden": hidden.half()}, **dims)
 
 
 # ------------------------------------------------------------------ Triton (interpreter) and flash
