@@ -467,3 +467,20 @@ def test_cold_start_table_from_dict() -> None:
     assert "**ERROR** RuntimeError" in error and error.count("|") == lines[4].count("|")
     assert not any("NOT checked" in line for line in lines)
     assert cold_start_markdown({"meta": {}, "workloads": {"grpo": {"greedy": False}}}) == []
+
+
+def test_workload_flops_count_each_distinct_prompt_prefix_once():
+    """The ceiling's FLOPs are the minimal work: a prefix two prompts share (a chat template's
+    system prompt) is computed once, as prefix caching does; decode counts every sample."""
+    from cbgen.bench.workloads import ModelDims, Workload, workload_flops
+
+    dims = ModelDims(2, 8, 2, 4, 10, [(8, 8)], 100)
+    attn = 4 * 2 * 2 * 4
+    shared = Workload("w", "tiny", [[1, 2, 3], [1, 2, 4, 5]], [2, 1], n=2)
+    flops = workload_flops(shared, dims)
+    # distinct prefixes [1], [1 2], [1 2 3], [1 2 4], [1 2 4 5]: contexts 1, 2, 3, 3, 4
+    assert flops["prefill"] == 5 * 2 * 100 + attn * (1 + 2 + 3 + 3 + 4)
+    # prompt 0: one token fed back at context 4, two LM-head rows; prompt 1: none fed, one row; n = 2
+    assert flops["decode"] == 2 * ((2 * 100 + attn * 4 + 2 * 2 * 80) + 2 * 80)
+    alone = workload_flops(Workload("w", "tiny", [[1, 2, 3]], [1]), dims)
+    assert alone["prefill"] == 3 * 2 * 100 + attn * (1 + 2 + 3)

@@ -376,18 +376,38 @@ def model_dims(model: Any) -> ModelDims:
     )
 
 
+def _distinct_prefix_ends(prompts: list[list[int]]) -> list[int]:
+    """The context length at the last token of every distinct prompt prefix (a trie walk: tokens of
+    a prefix several prompts share are listed once)."""
+    root: dict = {}
+    ends = []
+    for prompt in prompts:
+        node = root
+        for position, token in enumerate(prompt):
+            child = node.get(token)
+            if child is None:
+                child = node[token] = {}
+                ends.append(position + 1)
+            node = child
+    return ends
+
+
 def workload_flops(workload: Workload, dims: ModelDims) -> dict[str, float]:
-    """FLOPs of the minimal computation for ``workload``: each request's prompt once (its ``n`` samples
-    share it), each generated token once, the LM head only for rows that sample.
+    """FLOPs of the minimal computation for ``workload``: each distinct prompt prefix once (a prefix
+    that prompts share, such as a chat template's system prompt, is computed once with prefix
+    caching, and an ``n``-sample request shares its prompt), each generated token once, the LM head
+    only for rows that sample.
 
     Per token: ``2 * matmul_params`` plus attention ``4 * layers * heads * head_dim * context`` (QK^T and
     AV).  Returns prefill and decode parts and their sum.
     """
     attn = 4 * dims.num_layers * dims.num_heads * dims.head_dim
-    prefill = decode = 0.0
+    prefill = sum(
+        2 * dims.matmul_params + attn * context for context in _distinct_prefix_ends(workload.prompts)
+    )
+    decode = 0.0
     for prompt, new in zip(workload.prompts, workload.max_tokens):
         length = len(prompt)
-        prefill += 2 * dims.matmul_params * length + attn * length * (length + 1) / 2
         # Tokens 1..new-1 are fed back (the last sampled one never is); context grows from length + 1.
         fed = new - 1
         per_seq = 2 * dims.matmul_params * fed + attn * (fed * (length + 1) + fed * (fed - 1) / 2)

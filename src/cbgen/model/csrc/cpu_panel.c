@@ -1,12 +1,15 @@
 /* A float32-accumulating GEMM for the projections on CPUs with AVX2 + FMA: out = x W^T (+ bias),
  * with W packed once into panels of 16 output columns.
  *
- * Why: on a 2-core AMD EPYC (Zen 2, AVX2 only) every GEMM torch offers ran SmolLM2's projections at
- * 25-38% of the cores' measured FMA peak (oneDNN 46-72 GFLOP/s of 189 at 64-2048 rows), and at 64
- * decode rows the projections are ~75% of a float32 step.  This is the textbook register-blocked
- * kernel: a tile of 6 rows x 16 columns lives in 12 accumulators; per k it loads 16 weights (two
- * vectors) and broadcasts 6 inputs, 12 FMAs.  It is a candidate of the measured GEMM choice
- * (gemm_choice.py): where a library GEMM is faster, that one runs.
+ * Why: on a 2-core AMD EPYC (AVX2 only, two 8-lane FMAs a cycle: 189 GFLOP/s measured on both cores
+ * with register operands) oneDNN ran SmolLM2's projections at 46-61 GFLOP/s at 64 decode rows, and
+ * there the projections are ~75% of a float32 step.  This is the textbook register-blocked kernel:
+ * a tile of 6 rows x 16 columns lives in 12 accumulators; per k it loads 16 weights (two vectors)
+ * and broadcasts 6 inputs for 12 FMAs.  On that CPU it is bound by vector loads, not FMAs (a loop
+ * of 3 loads per 12 FMAs ran at peak, this one's 8 at ~38%, as does oneDNN at 2,048 rows), and
+ * reached ~70 GFLOP/s from 64 rows up: 1.2-1.5x oneDNN at decode sizes, even at prefill sizes.  It
+ * is a candidate of the measured GEMM choice (gemm_choice.py): where a library GEMM is faster, that
+ * one runs.
  *
  * Packed layout (cbgen_panel_pack): panels[ceil(N / 16)][K][16], column n of the weight at panel
  * n / 16, lane n % 16; the columns past N in the last panel are zero.  Panels are float32 (pdtype 0;
@@ -19,9 +22,10 @@
  * share out panels (a panel is read from memory once per chunk and then from L2 for every 6-row
  * tile), so at decode sizes (one chunk) each weight byte crosses the memory bus once per call.
  *
- * dtype: 0 = float32, 1 = bfloat16 (x, the weight, bias and out); pdtype: the panels' (0, or 1 when dtype is 1).  Strides in
- * elements.  Returns 0; 1 for bad sizes or a packed size that does not match (checked before any
- * memory is touched); 2 when built without AVX2 + FMA; 3 when the bfloat16 scratch cannot be had. */
+ * dtype: 0 = float32, 1 = bfloat16 (x, the weight, bias and out); pdtype: the panels' (0, or 1
+ * when dtype is 1).  Strides in elements.  Returns 0; 1 for bad sizes or a packed size that does
+ * not match (checked before any memory is touched); 2 when built without AVX2 + FMA; 3 when the
+ * bfloat16 scratch cannot be had. */
 #include <stdint.h>
 #include <stdlib.h>
 
