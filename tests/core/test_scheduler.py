@@ -132,6 +132,44 @@ def test_running_first_then_waiting_and_chunked_prefill():
     assert [(r.group_id, n) for r, n in out.scheduled] == [("a", 1), ("b", 1)]
 
 
+def test_prompts_sharing_a_prefix_wait_one_step_to_find_it_cached():
+    """Prompts that share two full blocks arrive together: the first computes them, the others wait
+    one step and then find them cached (a prompt without that prefix is admitted at once), so the
+    shared blocks are computed once; outputs are unchanged."""
+    d = Driver(num_blocks=64, block_size=4, budget=64, max_seqs=8)
+    shared = [7, 8, 9, 10, 11, 12, 13, 14]
+    prompts = {
+        "a": [*shared, 1, 2, 3],
+        "b": [*shared, 4, 5],
+        "c": [50, 51, 52, 53, 54, 55],
+        "e": [*shared, 6],
+    }
+    (a,), (b,), _, (e,) = (d.add(rid, prompt, 3) for rid, prompt in prompts.items())
+    out, _ = d.step()
+    assert [(r.group_id, n) for r, n in out.scheduled] == [("a", 11), ("c", 6)]
+    out, _ = d.step()
+    # b and e computed only what follows the cached 8 tokens
+    assert [(r.group_id, n) for r, n in out.scheduled] == [("a", 1), ("c", 1), ("b", 2), ("e", 1)]
+    assert b.num_cached_tokens == e.num_cached_tokens == 8
+    d.drain()
+    for r in (a, b, e):
+        prompt = prompts[r.group_id]
+        assert r.output_token_ids == expected_output(prompt, 0, 3, eos=False)
+
+
+def test_a_prompt_that_ends_at_its_first_token_leaves_its_blocks_cached():
+    """max_tokens=1 (scoring, prefill-only work): the request finishes in the step that computes its
+    prompt, and its full blocks are published before they are freed, for later prompts to reuse."""
+    d = Driver(num_blocks=64, block_size=4, budget=64, max_seqs=8)
+    shared = [7, 8, 9, 10, 11, 12, 13, 14]
+    (a,) = d.add("a", [*shared, 1], 1)
+    d.step()
+    assert a.is_finished
+    (b,) = d.add("b", [*shared, 2, 3], 2)
+    out, _ = d.step()
+    assert out.scheduled == [(b, 2)] and b.num_cached_tokens == 8
+
+
 def test_preemption_takes_newest_and_resumes_with_same_output():
     d = Driver(num_blocks=6, block_size=4, budget=64, max_seqs=8)
     prompts = [[i + 1] * 7 for i in range(3)]

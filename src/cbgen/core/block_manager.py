@@ -103,6 +103,15 @@ class BlockManager:
             hit.append(block_id)
         return hit
 
+    def completed_hashes(self, request: Request, num_new_tokens: int) -> list[int]:
+        """Prefix hashes of the full blocks that computing ``num_new_tokens`` more tokens of
+        ``request`` completes (and so publishes after the step); none without prefix caching."""
+        if not self.enable_prefix_caching or _needs_prompt_logits(request):
+            return []
+        start = request.num_computed_tokens // self.block_size
+        end = (request.num_computed_tokens + num_new_tokens) // self.block_size
+        return self._block_hashes(request, end)[start:end]
+
     def cache_computed_blocks(self, request: Request) -> None:
         """Publishes the request's full, computed blocks under their prefix hash."""
         if not self.enable_prefix_caching:

@@ -359,6 +359,10 @@ class Scheduler:
         candidates = [r for r in self.waiting if r.group_id not in self.paused and (not wanted or wanted(r))]
         if self.fairness is not None:
             candidates.sort(key=self.served)
+        # Blocks this step completes: a prompt whose next uncached block is among them waits one step
+        # and then finds it cached, instead of computing it a second time in the same step (64 chat
+        # prompts sharing a system prompt computed ~3,000 prompt tokens where ~1,600 are distinct).
+        computing = {h for r, n in out.scheduled for h in bm.completed_hashes(r, n)}
         for request in candidates:
             while evict and self.num_seats_used >= self.max_num_seqs and self._evict(out, evict):
                 pass
@@ -366,6 +370,12 @@ class Scheduler:
             if budget <= 0 or seats >= self.max_num_seqs or request.pending:
                 break  # pending: preempted with a token still on the device, which a prefill needs
             cached = bm.match_prefix(request)
+            if (
+                computing
+                and request.num_computed_tokens == 0
+                and _next_block(request, len(cached)) in computing
+            ):
+                continue
             num_tokens = len(cached) * bm.block_size + min(
                 request.num_tokens - len(cached) * bm.block_size, budget
             )
@@ -401,6 +411,7 @@ class Scheduler:
             request.fork_seats = min(len(request.followers), self.max_num_seqs - seats - 1)
             self.running.append(request)
             out.scheduled.append((request, num_new))
+            computing.update(bm.completed_hashes(request, num_new))
             budget -= num_new
         return budget
 
@@ -419,6 +430,13 @@ class Scheduler:
                 return num_new, num_cached_tokens
             if not evict or not self._evict(out, evict):
                 return None
+
+
+def _next_block(request: Request, num_cached_blocks: int) -> int | None:
+    """The prefix hash of the request's first block past its cached prefix (None: not a full block,
+    or not hashed because the prefix cache does not serve this request)."""
+    hashes = request.block_hashes
+    return hashes[num_cached_blocks] if num_cached_blocks < len(hashes) else None
 
 
 def _decode_row(request: Request) -> bool:

@@ -126,6 +126,10 @@ def apply_sampled(
         update.num_generated += 1
         status = stop_status(r, token, max_model_len, stop_string)
         if status is not None:
+            if not r.pending:
+                # Its blocks stay findable once freed: a prompt that ends at its first token
+                # (max_tokens=1, scoring) would otherwise never serve the prompts that share it.
+                scheduler.block_manager.cache_computed_blocks(r)
             update.ended += finish(scheduler, r, status)
     publish(scheduler, crossed)
     return update
