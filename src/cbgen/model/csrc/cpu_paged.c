@@ -460,7 +460,8 @@ static inline __attribute__((always_inline)) void decode_task_avx2(
             pf_cursor pf = {0, 0, 0, 1, 0, 0, 1};
             const int64_t k = pass * nblk + (blk - b0) + 1;
             if (k < 2 * nblk) {
-                const int64_t kb = k % nblk + b0, ks = kb == b0 ? j0 : kb * bs, ke = (kb + 1) * bs < j1 ? (kb + 1) * bs : j1;
+                const int64_t kb = k % nblk + b0, ks = kb == b0 ? j0 : kb * bs;
+                const int64_t ke = (kb + 1) * bs < j1 ? (kb + 1) * bs : j1;
                 const int64_t steps = pass == 0 ? groups * ((cnt + 3) / 4) : groups * ((nv + 3) / 4) * cnt;
                 pf = pf_block(k < nblk ? kc : vc, table, kb, ks, ke, bs, tok_stride, h0, D, esize, span, steps);
             }
