@@ -106,7 +106,7 @@ static void decode_task(const void *q, int64_t qs, const void *kc, const void *v
 
 /* Prefetches the first ``count`` tokens of cache block ``block`` (this task's heads: ``span`` bytes a
  * token from head h0 on) into L1: the next block's address is a table lookup, which no hardware
- * prefetcher guesses.  Used by the vector loops. */
+ * prefetcher guesses.  Used by the AVX-512 loops (the AVX2 ones spread theirs: pf_cursor). */
 static inline void prefetch_block(const void *cache, int64_t block, int64_t count, int bs, int64_t tok_stride,
                                   int h0, int D, int64_t esize, int64_t span) {
     const char *base = (const char *)cache + (block * bs * tok_stride + (int64_t)h0 * D) * esize;
