@@ -69,6 +69,23 @@ def test_prefix_cache_hits(llama):
     compare(model, prefixed[:1] + prefixed, [o.outputs[0].token_ids for o in first + outs], refs[:1] + refs)
 
 
+def test_partial_block_prefix_hits(llama):
+    """A shared prefix that ends inside a block (8 full blocks + 5 tokens): later prompts copy the
+    5 tokens' K/V from the first prompt's block instead of computing them, and still match."""
+    model, prompts, _ = llama
+    shared = prompts[-1][:69]
+    prefixed = [shared + p[:20] for p in prompts[:6]]
+    refs = [hf_greedy(model, p, 40) for p in prefixed]
+    llm = LLM(model, block_size=8)
+    first = llm.generate(prefixed[:1], GREEDY, use_tqdm=False)
+    computed = llm.stats.prompt_tokens_computed
+    outs = llm.generate(prefixed[1:], GREEDY, use_tqdm=False)
+    assert [o.num_cached_tokens for o in outs] == [69] * 5
+    assert llm.stats.prompt_tokens_computed - computed == sum(len(p) - 69 for p in prefixed[1:])
+    got = [o.outputs[0].token_ids for o in first + outs]
+    compare(model, prefixed, got, refs)
+
+
 def test_three_rounds_on_one_engine(llama):
     model, prompts, refs = llama
     llm = LLM(model, block_size=8, max_num_batched_tokens=64)

@@ -120,7 +120,9 @@ class Engine:
         self.groups: dict[str, RequestGroup] = {}
         self.stats: EngineStats = self.block_manager.stats
         self.last_step: StepStats | None = None
-        self._pending_copies: list[tuple[int, int]] = []  # copy-on-fork blocks for the next forward
+        self._pending_copies: list[
+            tuple[int, int]
+        ] = []  # block copies (fork, partial hits) for the next forward
         self._counter = 0
         self.async_scheduling = (
             config.async_scheduling if config.async_scheduling is not None else self.device.type == "cuda"
@@ -437,6 +439,7 @@ class Engine:
         t0 = time.perf_counter()
         self.scheduler.remove_finished()
         sched = self.scheduler.schedule()
+        self._pending_copies += sched.copies  # partial prefix hits: filled before the next forward
         for request in sched.failed:
             ended = step_update.finish(self.scheduler, request, RequestStatus.FINISHED_ERROR, request.error)
             self._count_ended(ended)

@@ -292,8 +292,11 @@ def test_group_larger_than_max_num_seqs_runs_in_waves_and_never_starves_the_queu
     for s in group:
         assert s.output_token_ids == expected_output(prompt, s.sample_index, 4, eos=False)
     assert behind.output_token_ids == expected_output([5, 5], 0, 3, eos=False)
-    # Later waves reuse the two cached full blocks of the prompt: only the last block is recomputed.
-    assert d.bm.stats.prompt_tokens_computed == 9 + 4 * 1 + len(behind.prompt_token_ids)
+    # Later waves reuse the two cached full blocks of the prompt, and copy the prompt's last token
+    # from the leader's third block (full by then, with its generated tokens): a partial hit each,
+    # so they compute none of the prompt, only their first sampled token.
+    assert d.bm.stats.prompt_tokens_computed == 9 + len(behind.prompt_token_ids)
+    assert d.bm.stats.prefix_cache_hits == 4 * 9
 
 
 # ---------------------------------------------------------------------------------------------- fairness

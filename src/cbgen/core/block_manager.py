@@ -8,6 +8,16 @@ Prefix caching: every full block of a sequence gets a chained hash
 its tokens have been computed.  A lookup also compares the stored tokens, so a hash collision can
 never serve the wrong K/V.  Freed blocks keep their hash and sit in an LRU free list until they
 are reused, so a later request with the same prefix can revive them.
+
+Partial hits: prompts that share a prefix which ends inside a block (a chat template's system
+prompt, then each user's question) would each recompute the shared part of that block, up to
+``block_size - 1`` tokens a prompt.  So the block after a request's full hits may be *copied* from a
+published block with the same parent whose tokens start the same way: the request takes a fresh
+block, the scheduler asks the runner to copy the source's K/V into it before the next forward (as
+copy-on-fork does), and the matching tokens count as computed.  Published blocks are indexed by
+their parent and first ``m`` tokens for ``m`` in :data:`PARTIAL_LENGTHS` (a handful of entries a
+block, not one per length); a lookup takes the longest indexed length that matches and extends it
+token by token against that block.
 """
 
 from __future__ import annotations
@@ -19,15 +29,20 @@ from dataclasses import dataclass, field
 from cbgen.core.stats import EngineStats
 from cbgen.request import Request
 
+# Prefix lengths under which a published block is indexed for partial hits (those below the block size).
+PARTIAL_LENGTHS = (1, 2, 4, 8, 16, 32, 64, 128)
+
 
 @dataclass
 class Block:
-    """One KV block: who holds it (``ref_count``) and, when full and computed, its prefix hash."""
+    """One KV block: who holds it (``ref_count``) and, when full and computed, its prefix hash (and
+    its parent's, the key of partial hits)."""
 
     block_id: int
     ref_count: int = 0
     block_hash: int | None = None
     token_ids: tuple[int, ...] = ()
+    parent_hash: int | None = None
 
 
 @dataclass
@@ -46,6 +61,9 @@ class BlockManager:
         # front; freed blocks go to the back, so cached content lives as long as possible.
         self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(self.num_blocks))
         self._cached: dict[int, int] = {}  # block hash -> block id
+        self._partial: dict[int, int] = {}  # hash((parent hash, first m tokens)) -> block id
+        lengths = {m for m in PARTIAL_LENGTHS if m < self.block_size} | {self.block_size - 1}
+        self._lengths = sorted(m for m in lengths if m > 0)  # none for one-token blocks
 
     # ------------------------------------------------------------------ queries
     @property
@@ -103,6 +121,36 @@ class BlockManager:
             hit.append(block_id)
         return hit
 
+    def match_partial(self, request: Request, num_full_blocks: int) -> tuple[int, int] | None:
+        """A published block to copy as the request's block after its ``num_full_blocks`` cached ones:
+        ``(block id, tokens)`` with the longest run of matching tokens found (see the module
+        docstring), never reaching the request's last token; None when nothing matches."""
+        if not self.enable_prefix_caching or not self._partial or _needs_prompt_logits(request):
+            return None
+        bs = self.block_size
+        start = num_full_blocks * bs
+        room = min(bs, request.num_tokens - 1 - start)
+        if room < 1:
+            return None
+        parent = (
+            self._block_hashes(request, num_full_blocks)[num_full_blocks - 1] if num_full_blocks else None
+        )
+        want = tuple(request.token_ids[start : start + room])
+        for m in reversed(self._lengths):
+            if m > room:
+                continue
+            block_id = self._partial.get(hash((parent, want[:m])))
+            if block_id is None:
+                continue
+            block = self.blocks[block_id]
+            if block.parent_hash != parent or block.token_ids[:m] != want[:m]:
+                continue  # a hash collision, or a block published again under another prefix
+            n = m
+            while n < room and block.token_ids[n] == want[n]:
+                n += 1
+            return block_id, n
+        return None
+
     def completed_hashes(self, request: Request, num_new_tokens: int) -> list[int]:
         """Prefix hashes of the full blocks that computing ``num_new_tokens`` more tokens of
         ``request`` completes (and so publishes after the step); none without prefix caching."""
@@ -127,7 +175,10 @@ class BlockManager:
                 continue  # an identical block is already published; keep ours private
             block.block_hash = hashes[i]
             block.token_ids = tuple(request.token_ids[i * bs : (i + 1) * bs])
+            block.parent_hash = hashes[i - 1] if i else None
             self._cached[hashes[i]] = block.block_id
+            for m in self._lengths:
+                self._partial[hash((block.parent_hash, block.token_ids[:m]))] = block.block_id
 
     def reset_prefix_cache(self) -> None:
         """Forgets every published hash (e.g. after a weight update): nothing can be matched again."""
@@ -135,7 +186,9 @@ class BlockManager:
             block = self.blocks[block_id]
             block.block_hash = None
             block.token_ids = ()
+            block.parent_hash = None
         self._cached.clear()
+        self._partial.clear()
         self.stats.prefix_cache_resets += 1
 
     # ------------------------------------------------------------------ allocation
@@ -145,8 +198,13 @@ class BlockManager:
         if block.block_hash is not None:  # evict its cached content
             if self._cached.get(block.block_hash) == block_id:
                 del self._cached[block.block_hash]
+            for m in self._lengths:
+                key = hash((block.parent_hash, block.token_ids[:m]))
+                if self._partial.get(key) == block_id:
+                    del self._partial[key]
             block.block_hash = None
             block.token_ids = ()
+            block.parent_hash = None
         block.ref_count = 1
         return block_id
 
@@ -161,13 +219,21 @@ class BlockManager:
         revived = sum(1 for b in reusing if self.blocks[b].ref_count == 0)
         return num_blocks <= len(self._free) - revived
 
-    def allocate(self, request: Request, num_new_tokens: int, cached_blocks: Sequence[int] = ()) -> bool:
+    def allocate(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        cached_blocks: Sequence[int] = (),
+        partial: tuple[int, int] | None = None,
+    ) -> bool:
         """Gives ``request`` blocks for ``num_computed_tokens + num_new_tokens`` tokens.
 
         ``cached_blocks`` (from :meth:`match_prefix`, first schedule only) are taken as the computed
-        prefix.  Returns False, changing nothing, when the pool is short.
+        prefix, and ``partial`` (from :meth:`match_partial`) as that many more computed tokens in the
+        next block, a fresh one the caller must fill by copying the source block into it.  Returns
+        False, changing nothing, when the pool is short.
         """
-        if not cached_blocks:  # every running request, every step: the short way
+        if not cached_blocks and partial is None:  # every running request, every step: the short way
             need = -(-(request.num_computed_tokens + num_new_tokens) // self.block_size) - len(
                 request.block_ids
             )
@@ -180,14 +246,14 @@ class BlockManager:
             return True
         have = len(request.block_ids) + len(cached_blocks)
         computed = request.num_computed_tokens + len(cached_blocks) * self.block_size
+        computed += partial[1] if partial is not None else 0
         need = self.blocks_needed(computed + num_new_tokens) - have
         if not self.can_allocate(max(need, 0), cached_blocks):
             return False
-        if cached_blocks:
-            for block_id in cached_blocks:
-                self._hold(block_id)
-            request.block_ids.extend(cached_blocks)
-            request.num_computed_tokens = computed
+        for block_id in cached_blocks:
+            self._hold(block_id)
+        request.block_ids.extend(cached_blocks)
+        request.num_computed_tokens = computed
         for _ in range(max(need, 0)):
             request.block_ids.append(self._take_free_block())
         return True
@@ -242,6 +308,8 @@ class BlockManager:
         assert self.num_free_blocks + self.num_used_blocks == self.num_blocks
         for block_hash, block_id in self._cached.items():
             assert self.blocks[block_id].block_hash == block_hash
+        for block_id in self._partial.values():
+            assert self.blocks[block_id].block_hash is not None, block_id
 
 
 def _needs_prompt_logits(request: Request) -> bool:

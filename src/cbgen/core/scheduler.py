@@ -59,6 +59,8 @@ class SchedulerOutput:
     scheduled: list[tuple[Request, int]] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
     failed: list[Request] = field(default_factory=list)
+    # (src, dst) blocks the runner copies before this step's forward: partial prefix hits.
+    copies: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -425,9 +427,12 @@ class Scheduler:
         bm = self.block_manager
         while True:
             cached = bm.match_prefix(request)
-            num_cached_tokens = len(cached) * bm.block_size
+            partial = bm.match_partial(request, len(cached))
+            num_cached_tokens = len(cached) * bm.block_size + (partial[1] if partial else 0)
             num_new = min(request.num_tokens - num_cached_tokens, budget)
-            if bm.allocate(request, num_new, cached):
+            if bm.allocate(request, num_new, cached, partial):
+                if partial is not None:
+                    out.copies.append((partial[0], request.block_ids[len(cached)]))
                 return num_new, num_cached_tokens
             if not evict or not self._evict(out, evict):
                 return None

@@ -159,7 +159,8 @@ class KVCache:
         self.layers = []
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
-        """Copies whole blocks ``src -> dst`` in every layer (copy-on-fork for n > 1 samples)."""
+        """Copies whole blocks ``src -> dst`` in every layer (copy-on-fork for n > 1 samples, partial
+        prefix hits)."""
         if not pairs:
             return
         src = torch.tensor([p[0] for p in pairs], device=self.device)
