@@ -61,6 +61,21 @@ def test_equals_f_linear(panel, dtype: torch.dtype, panel_dtype: torch.dtype, n:
             torch.testing.assert_close(got.float(), expected, atol=tol * max(1, k**0.5), rtol=tol)
 
 
+@pytest.mark.parametrize("n", [64, 203])
+def test_bf16_output_is_the_float32_result_rounded_once(panel, n: int) -> None:
+    """The bfloat16 output (vector rounding for whole panels, scalar for the last partial one) is the
+    float32 GEMM's result, bias added, rounded to nearest even: bit for bit what torch's cast does."""
+    gen = torch.Generator().manual_seed(n)
+    weight = torch.randn(n, 96, generator=gen).to(torch.bfloat16)
+    bias = torch.randn(n, generator=gen).to(torch.bfloat16)
+    x = torch.randn(13, 96, generator=gen).to(torch.bfloat16)
+    packed = panel.panel_pack(weight, torch.float32)
+    for b in (None, bias):
+        got = panel.panel_linear(x, packed, n, b)
+        wide = panel.panel_linear(x.float(), packed, n, None if b is None else b.float())
+        assert torch.equal(got, wide.to(torch.bfloat16))
+
+
 def test_refuses_what_it_cannot_take(panel) -> None:
     weight = torch.randn(40, 24)
     packed = panel.panel_pack(weight)

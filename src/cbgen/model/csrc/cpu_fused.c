@@ -159,6 +159,18 @@ static inline __attribute__((always_inline)) void st8(void *p, int64_t i, __m256
     }
 }
 
+/* st8 for a vector whose lanes already hold bfloat16 values (rnd8's output): the narrowing is exact,
+ * so a shift and pack instead of rounding again. */
+static inline __attribute__((always_inline)) void st8_exact(void *p, int64_t i, __m256 v, const int dtype) {
+    if (dtype == 0) {
+        _mm256_storeu_ps((float *)p + i, v);
+    } else {
+        const __m256i b = _mm256_srli_epi32(_mm256_castps_si256(v), 16);
+        _mm_storeu_si128((__m128i *)((uint16_t *)p + i),
+                         _mm_packus_epi32(_mm256_castsi256_si128(b), _mm256_extracti128_si256(b, 1)));
+    }
+}
+
 static inline float hsum8f(__m256 v) {
     const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -177,7 +189,7 @@ static inline __attribute__((always_inline)) void add_rmsnorm8(void *x, const vo
             __m256 v = ld8(x, xo + i, dtype);
             if (delta) {
                 v = rnd8(_mm256_add_ps(v, ld8(delta, r * delta_stride + i, dtype)), dtype);
-                st8(x, xo + i, v, dtype);
+                st8_exact(x, xo + i, v, dtype);
             }
             ss = _mm256_fmadd_ps(v, v, ss);
         }
