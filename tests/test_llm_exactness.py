@@ -55,11 +55,15 @@ def test_preemption_recompute(llama):
     assert llm.engine.block_manager.num_free_blocks == 24
 
 
-def test_prefix_cache_hits(llama):
+def shared_prefix_prompts(llama, length: int) -> tuple:
+    """The model, six prompts that start with the same ``length`` tokens, and their references."""
     model, prompts, _ = llama
-    shared = prompts[-1][:64]
-    prefixed = [shared + p[:20] for p in prompts[:6]]
-    refs = [hf_greedy(model, p, 40) for p in prefixed]
+    prefixed = [prompts[-1][:length] + p[:20] for p in prompts[:6]]
+    return model, prefixed, [hf_greedy(model, p, 40) for p in prefixed]
+
+
+def test_prefix_cache_hits(llama):
+    model, prefixed, refs = shared_prefix_prompts(llama, 64)
     llm = LLM(model, block_size=8)
     first = llm.generate(prefixed[:1], GREEDY, use_tqdm=False)
     outs = llm.generate(prefixed, GREEDY, use_tqdm=False)
@@ -72,10 +76,7 @@ def test_prefix_cache_hits(llama):
 def test_partial_block_prefix_hits(llama):
     """A shared prefix that ends inside a block (8 full blocks + 5 tokens): later prompts copy the
     5 tokens' K/V from the first prompt's block instead of computing them, and still match."""
-    model, prompts, _ = llama
-    shared = prompts[-1][:69]
-    prefixed = [shared + p[:20] for p in prompts[:6]]
-    refs = [hf_greedy(model, p, 40) for p in prefixed]
+    model, prefixed, refs = shared_prefix_prompts(llama, 69)
     llm = LLM(model, block_size=8)
     first = llm.generate(prefixed[:1], GREEDY, use_tqdm=False)
     computed = llm.stats.prompt_tokens_computed
