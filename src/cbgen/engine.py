@@ -120,9 +120,8 @@ class Engine:
         self.groups: dict[str, RequestGroup] = {}
         self.stats: EngineStats = self.block_manager.stats
         self.last_step: StepStats | None = None
-        self._pending_copies: list[
-            tuple[int, int]
-        ] = []  # block copies (fork, partial hits) for the next forward
+        # Block copies (copy-on-fork, partial prefix hits) the next forward performs first.
+        self._pending_copies: list[tuple[int, int]] = []
         self._counter = 0
         self.async_scheduling = (
             config.async_scheduling if config.async_scheduling is not None else self.device.type == "cuda"

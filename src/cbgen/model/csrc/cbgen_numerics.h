@@ -101,6 +101,11 @@ static inline __m256i bf16_bits8(__m256 v) {
     return _mm256_blendv_epi8(r, quiet, _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q)));
 }
 
+/* Stores 8 bfloat16 bit patterns (one per 32-bit lane, each <= 0xffff: the unsigned pack is exact). */
+static inline __attribute__((always_inline)) void store_bf16x8(uint16_t *p, __m256i bits) {
+    _mm_storeu_si128((__m128i *)p, _mm_packus_epi32(_mm256_castsi256_si128(bits), _mm256_extracti128_si256(bits, 1)));
+}
+
 /* exp_approx on 8 lanes; 2^k built in the exponent field (k stays within [-126, 127] after the clamp). */
 static inline __m256 exp8(__m256 x) {
     x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.0f)), _mm256_set1_ps(88.0f));

@@ -153,9 +153,7 @@ static inline __attribute__((always_inline)) void st8(void *p, int64_t i, __m256
     if (dtype == 0) {
         _mm256_storeu_ps((float *)p + i, v);
     } else {
-        const __m256i b = bf16_bits8(v); /* each lane <= 0xffff: the unsigned pack is exact */
-        const __m128i h = _mm_packus_epi32(_mm256_castsi256_si128(b), _mm256_extracti128_si256(b, 1));
-        _mm_storeu_si128((__m128i *)((uint16_t *)p + i), h);
+        store_bf16x8((uint16_t *)p + i, bf16_bits8(v));
     }
 }
 
@@ -165,9 +163,7 @@ static inline __attribute__((always_inline)) void st8_exact(void *p, int64_t i, 
     if (dtype == 0) {
         _mm256_storeu_ps((float *)p + i, v);
     } else {
-        const __m256i b = _mm256_srli_epi32(_mm256_castps_si256(v), 16);
-        _mm_storeu_si128((__m128i *)((uint16_t *)p + i),
-                         _mm_packus_epi32(_mm256_castsi256_si128(b), _mm256_extracti128_si256(b, 1)));
+        store_bf16x8((uint16_t *)p + i, _mm256_srli_epi32(_mm256_castps_si256(v), 16));
     }
 }
 
