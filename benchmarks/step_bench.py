@@ -56,7 +56,7 @@ def main() -> None:
     parser.add_argument("--profile", action="store_true", help="torch profiler table of one round's steps")
     args = parser.parse_args()
 
-    from cbgen.model.loader import load_model
+    from cbgen.model.loading.loader import load_model
 
     model, tokenizer = load_model(None, dtype=args.dtype)
     prompts = chat_prompts(args.batch, tokenizer, model.config.vocab_size)

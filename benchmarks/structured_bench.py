@@ -23,7 +23,7 @@ import time
 
 import torch
 
-from cbgen.model.loader import ensure_default_model
+from cbgen.model.loading.loader import ensure_default_model
 from cbgen.request import Request
 from cbgen.sample.sampler import Sampler
 from cbgen.sample.structured import StructuredOutputs

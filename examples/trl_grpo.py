@@ -44,7 +44,7 @@ import transformers
 
 def _model(kind: str, seed: int):
     """The policy and its tokenizer (see the module docstring)."""
-    from cbgen.model.loader import ensure_default_model
+    from cbgen.model.loading.loader import ensure_default_model
 
     folder = ensure_default_model()
     tok = transformers.AutoTokenizer.from_pretrained(str(folder))

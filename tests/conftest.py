@@ -43,7 +43,7 @@ def pytest_configure(config: pytest.Config) -> None:
 
 def pytest_sessionstart(session: pytest.Session) -> None:
     from cbgen import envs
-    from cbgen.model import cpu_kernels
+    from cbgen.model.kernels.cpu import ops as cpu_kernels
 
     if not envs.flag("CBGEN_REQUIRE_KERNELS"):
         return
@@ -108,7 +108,7 @@ def _near_tie_budget():
 @pytest.fixture(scope="session")
 def smollm2_path() -> Path:
     """Folder holding the converted SmolLM2-135M-Instruct model (float32 safetensors + tokenizer)."""
-    from cbgen.model.loader import ensure_default_model
+    from cbgen.model.loading.loader import ensure_default_model
 
     return ensure_default_model()
 

@@ -39,7 +39,7 @@ class PathState:
 def _build_macros() -> set[str]:
     """The macros the kernels' compiler predefines with the kernels' flags (``-march=native``)."""
     from cbgen import envs
-    from cbgen.model import cpu_kernels
+    from cbgen.model.kernels.cpu import ops as cpu_kernels
 
     compiler = envs.get("CC") or shutil.which("cc") or shutil.which("gcc")
     flags = [f for f in cpu_kernels._FLAGS if f not in ("-shared", "-fPIC")]
@@ -52,7 +52,8 @@ def _build_macros() -> set[str]:
 @functools.cache
 def states() -> dict[str, PathState]:
     """Each path of :data:`PATHS` and whether it runs on this machine (asks the compiler once)."""
-    from cbgen.model import cpu_amx, cpu_kernels
+    from cbgen.model.kernels.cpu import amx as cpu_amx
+    from cbgen.model.kernels.cpu import ops as cpu_kernels
 
     try:
         built = cpu_kernels.available()

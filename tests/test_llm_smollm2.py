@@ -12,7 +12,7 @@ from oracle import compare, hf_greedy
 
 @pytest.fixture(scope="module")
 def smollm2(smollm2_path):
-    from cbgen.model.loader import load_model
+    from cbgen.model.loading.loader import load_model
 
     model, tokenizer = load_model(smollm2_path, dtype=torch.float32)
     return model, tokenizer

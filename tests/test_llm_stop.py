@@ -12,7 +12,7 @@ QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 
 @pytest.fixture(scope="module")
 def llm(smollm2_path):
-    from cbgen.model.loader import load_model
+    from cbgen.model.loading.loader import load_model
 
     model, tokenizer = load_model(smollm2_path, dtype=torch.float32)
     return LLM(model, tokenizer, block_size=16)

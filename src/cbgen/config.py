@@ -34,7 +34,7 @@ class EngineConfig:
     attention_backend: str = "auto"  # "auto" | "torch" | "cpu" | "triton" | "flash_attn"
     cuda_graph_max_batch: int | None = None  # default: max_num_seqs
     # CPU: decode-only steps of Llama/Mistral/Qwen2/Qwen3 models run through fused C kernels
-    # (cbgen.model.fused_decode) instead of the transformers module tree; off = always the latter.
+    # (cbgen.model.cpu_fast.fused_forward) instead of the transformers module tree; off = always the latter.
     fused_decode: bool = True
     # With fused_decode: keep the projection weights pre-packed for MKL (float32) / oneDNN (bfloat16),
     # ~10% faster matmuls for one extra copy of those weights (repacked when a weight changes).

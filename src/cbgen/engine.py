@@ -31,13 +31,13 @@ from cbgen.core.scheduler import Scheduler, SchedulerOutput
 from cbgen.core.stats import EngineStats, StepStats
 from cbgen.core.update import SampledTokens
 from cbgen.distributed.lockstep import GroupSync, Lockstep
+from cbgen.distributed.topology import topology_of
 from cbgen.inputs import as_token_ids
 from cbgen.model.backends import select_backend
 from cbgen.model.input_batch import InputBuilder, ModelInput
 from cbgen.model.kv_cache import KVCache, KVGeometry, choose_num_blocks
+from cbgen.model.loading.weights import WeightWatcher
 from cbgen.model.runner import ModelRunner
-from cbgen.model.topology import topology_of
-from cbgen.model.weights import WeightWatcher
 from cbgen.output_processor import OutputProcessor
 from cbgen.outputs import RequestOutput
 from cbgen.request import Request, RequestGroup, RequestStatus

@@ -55,7 +55,7 @@ class LLM:
             self.model = model
             self.tokenizer = tokenizer
         else:
-            from cbgen.model.loader import load_model
+            from cbgen.model.loading.loader import load_model
 
             self.model, loaded_tokenizer = load_model(
                 model,

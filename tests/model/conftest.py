@@ -8,7 +8,7 @@ import pytest
 @pytest.fixture
 def decode_launches(monkeypatch) -> list[tuple[int, bool]]:
     """Records (num_splits, native_dot) of every Triton decode launch while the test runs."""
-    from cbgen.model import triton_ops
+    from cbgen.model.kernels.triton import ops as triton_ops
 
     seen: list[tuple[int, bool]] = []
     original = triton_ops._launch_decode

@@ -72,7 +72,7 @@ def check_decode(
     case with a poisoned block-table tail and compares it with the float32 torch reference; padding
     rows must come out as exact zeros.  Returns ``(k_cache, block_table, seq_lens, scale)`` as passed
     to the kernel, for further checks."""
-    from cbgen.model import paged_ops
+    from cbgen.model.kernels.reference import paged_ops
 
     query, k_cache, v_cache, table, clean, seq_lens = make_case(
         seed, lens, num_heads, num_kv_heads, head_dim, block_size, dtype

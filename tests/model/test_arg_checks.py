@@ -10,7 +10,11 @@ import pytest
 import torch
 from paged_cases import make_case
 
-from cbgen.model import cpu_amx, cpu_decoder, cpu_kernels, flash_ops, triton_ops
+from cbgen.model.kernels.cpu import amx as cpu_amx
+from cbgen.model.kernels.cpu import decoder as cpu_decoder
+from cbgen.model.kernels.cpu import ops as cpu_kernels
+from cbgen.model.kernels.flash import ops as flash_ops
+from cbgen.model.kernels.triton import ops as triton_ops
 
 native_c = pytest.mark.native("c")
 

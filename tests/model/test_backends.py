@@ -7,8 +7,11 @@ import pytest
 import torch
 
 from cbgen import LLM
-from cbgen.model import cpu_decoder, cpu_kernels, fused_decode, paged_ops
 from cbgen.model.backends import CpuBackend, TorchBackend, choose_backend, select_backend
+from cbgen.model.cpu_fast import fused_forward as fused_decode
+from cbgen.model.kernels.cpu import decoder as cpu_decoder
+from cbgen.model.kernels.cpu import ops as cpu_kernels
+from cbgen.model.kernels.reference import paged_ops
 from tiny_models import make_model
 
 needs_c = pytest.mark.skipif(

@@ -1,4 +1,4 @@
-"""C kernels (``cbgen.model.cpu_kernels``) vs the torch reference, and their selection by the engine."""
+"""C kernels (``cbgen.model.kernels.cpu.ops``) vs the torch reference, and their selection by the engine."""
 
 from __future__ import annotations
 
@@ -7,8 +7,10 @@ import torch
 from paged_cases import LENS, NUM_BLOCKS, check_decode, make_case
 
 from cbgen import LLM, SamplingParams
-from cbgen.model import cpu_amx, cpu_kernels, paged_ops
 from cbgen.model.backends import choose_backend
+from cbgen.model.kernels.cpu import amx as cpu_amx
+from cbgen.model.kernels.cpu import ops as cpu_kernels
+from cbgen.model.kernels.reference import paged_ops
 
 pytestmark = pytest.mark.native("c")
 

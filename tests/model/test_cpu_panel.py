@@ -13,7 +13,7 @@ pytestmark = pytest.mark.native("avx2")
 
 @pytest.fixture(scope="module")
 def panel():
-    from cbgen.model import cpu_panel
+    from cbgen.model.kernels.cpu import panel as cpu_panel
 
     assert cpu_panel.panel_available()
     return cpu_panel
@@ -97,7 +97,7 @@ def test_refuses_what_it_cannot_take(panel) -> None:
         panel.panel_pack(weight.t())  # column-major weight
     # The C entry points check sizes themselves too: a packed size that does not match is refused
     # before anything is read.
-    from cbgen.model.cpu_kernels import library
+    from cbgen.model.kernels.cpu.ops import library
 
     x, out = torch.zeros(3, 24), torch.empty(3, 40)
     lib = library()
@@ -123,7 +123,7 @@ def test_refuses_what_it_cannot_take(panel) -> None:
 
 
 def test_is_a_gemm_candidate(panel) -> None:
-    from cbgen.model import gemm_choice
+    from cbgen.model.cpu_fast import gemm_choice
 
     assert "panel" in gemm_choice.candidates(torch.float32)
     assert {"panel", "panel_bf16"} <= set(gemm_choice.candidates(torch.bfloat16))

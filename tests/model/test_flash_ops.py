@@ -17,8 +17,9 @@ import pytest
 import torch
 from paged_cases import LENS, assert_close, check_decode, make_case
 
-from cbgen.model import flash_ops, paged_ops
 from cbgen.model.backends import choose_backend
+from cbgen.model.kernels.flash import ops as flash_ops
+from cbgen.model.kernels.reference import paged_ops
 
 
 class FakeFlash:
@@ -295,7 +296,7 @@ def test_auto_on_cpu_is_unchanged(fake_flash) -> None:
 def test_choice_on_cuda(fake_flash, monkeypatch) -> None:
     """With a (fake) sm90 GPU: auto prefers flash only when everything suits it, explicit requests
     that cannot work raise with the reason."""
-    from cbgen.model import triton_ops
+    from cbgen.model.kernels.triton import ops as triton_ops
 
     fake_flash()
     monkeypatch.setattr(flash_ops, "_compute_capability", lambda device: (9, 0))

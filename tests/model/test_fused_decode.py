@@ -1,4 +1,4 @@
-"""The fused CPU decode path (``cbgen.model.fused_decode``): same tokens and logprobs as the
+"""The fused CPU decode path (``cbgen.model.cpu_fast.fused_forward``): same tokens and logprobs as the
 transformers module tree, used only where it applies, and left the moment a model stops qualifying."""
 
 from __future__ import annotations
@@ -10,8 +10,12 @@ from transformers.models.llama.modeling_llama import LlamaRMSNorm, rotate_half
 
 import native_paths
 from cbgen import LLM, SamplingParams
-from cbgen.model import cpu_amx, cpu_decoder, cpu_kernels, fused_decode, packed_linears
-from cbgen.model.fused_decode import FusedDecoder
+from cbgen.model.cpu_fast import fused_forward as fused_decode
+from cbgen.model.cpu_fast import packed_linears
+from cbgen.model.cpu_fast.fused_forward import FusedDecoder
+from cbgen.model.kernels.cpu import amx as cpu_amx
+from cbgen.model.kernels.cpu import decoder as cpu_decoder
+from cbgen.model.kernels.cpu import ops as cpu_kernels
 from oracle import BF16, bf16_tolerance, bf16_ulp, compare, hf_greedy
 from tiny_models import make_model, make_prompts
 

@@ -8,9 +8,9 @@ import pytest
 import torch
 from torch import nn
 
-from cbgen.model import gemm_choice
-from cbgen.model.gemm_choice import PLAIN, Candidate, GemmPlan
-from cbgen.model.packed_linears import PackedLinears
+from cbgen.model.cpu_fast import gemm_choice
+from cbgen.model.cpu_fast.gemm_choice import PLAIN, Candidate, GemmPlan
+from cbgen.model.cpu_fast.packed_linears import PackedLinears
 
 SHAPES = [(384, 256), (256, 256)]
 
@@ -177,7 +177,7 @@ def test_gemv_kernel(dtype: torch.dtype, k: int) -> None:
     """The C kernel of the ``gemv`` candidate: every row count it takes, widths that are and are not
     multiples of its 8 lanes, output widths that are not multiples of its 4-row groups, with and
     without bias, strided x rows; it refuses what it cannot take before reading anything."""
-    from cbgen.model import cpu_kernels
+    from cbgen.model.kernels.cpu import ops as cpu_kernels
 
     gen = torch.Generator().manual_seed(k)
     weight = torch.randn(203, k, generator=gen).to(dtype)

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from cbgen.model import loader
-from cbgen.model.loader import (
+from cbgen.model.loading import loader
+from cbgen.model.loading.loader import (
     DEFAULT_MODEL_NAME,
     MARKER_FILE,
     default_model_dir,

@@ -15,7 +15,8 @@ pytest.importorskip("triton")
 import torch
 from paged_cases import LENS, make_case, rel_err
 
-from cbgen.model import paged_ops, triton_ops
+from cbgen.model.kernels.reference import paged_ops
+from cbgen.model.kernels.triton import ops as triton_ops
 
 if triton_ops._interpreting():
     _skip = "Triton runs in its interpreter here (CBGEN_TEST_CUDA=1 compiles it)"

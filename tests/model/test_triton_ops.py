@@ -16,7 +16,8 @@ import torch
 from paged_cases import LENS, NUM_BLOCKS, check_decode, make_case, rel_err
 
 from cbgen import LLM, SamplingParams
-from cbgen.model import paged_ops, triton_ops
+from cbgen.model.kernels.reference import paged_ops
+from cbgen.model.kernels.triton import ops as triton_ops
 from oracle import compare, hf_greedy
 from tiny_models import make_model, make_prompts
 

@@ -720,7 +720,7 @@ def test_cpu_greedy_kernel_matches_general_path(monkeypatch, sampler_mode, dtype
     """Unmodified greedy batches on the CPU take one C kernel (bfloat16 logits read as they are):
     same tokens (first maximum, NaN as the maximum), raw logprobs and failure flags as the general
     path."""
-    from cbgen.model import cpu_kernels
+    from cbgen.model.kernels.cpu import ops as cpu_kernels
 
     if sampler_mode != "sync" or not cpu_kernels.available():
         pytest.skip("the kernel path is the CPU sync mode's")

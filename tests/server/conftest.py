@@ -12,6 +12,6 @@ def model_path(request) -> Path:
     try:
         return request.getfixturevalue("smollm2_path")
     except pytest.FixtureLookupError:
-        from cbgen.model.loader import ensure_default_model
+        from cbgen.model.loading.loader import ensure_default_model
 
         return ensure_default_model()

@@ -55,7 +55,7 @@ def run_cbgen(spec: dict[str, Any], marks: Marks) -> tuple[list[list[list[int]]]
     # LLM() loads the model and builds the engine in one call.  To tell the two apart, the loader it
     # calls is wrapped to note when it returns; nothing else changes.  Should LLM stop going through
     # this function, "loaded" stays None and the report shows load and engine start together.
-    import cbgen.model.loader as loader
+    import cbgen.model.loading.loader as loader
 
     original = loader.load_model
 

@@ -3,7 +3,7 @@
 It bounds how fast any engine can run a workload on this machine, so the report can say how close
 each engine gets to it.  To be a bound it must be the *best* this machine does: every GEMM the
 engine itself can choose from (plain ``F.linear``, MKL's and oneDNN's packed GEMMs, our AMX, gemv and panel kernels;
-:mod:`cbgen.model.gemm_choice`) is timed, with weights cold as in a real step (several distinct
+:mod:`cbgen.model.cpu_fast.gemm_choice`) is timed, with weights cold as in a real step (several distinct
 copies cycled, more bytes than the caches hold), and the fastest counts; the report names it.  An
 engine that still reads above 100% means the ceiling missed a faster GEMM, and the report says so.
 """
@@ -30,13 +30,13 @@ def time_matmuls(
     candidate: Any = None,
     cold_bytes: int = COLD_BYTES,
 ) -> float | None:
-    """GFLOP/s of one GEMM (``candidate``, a :class:`cbgen.model.gemm_choice.Candidate`; default
+    """GFLOP/s of one GEMM (``candidate``, a :class:`cbgen.model.cpu_fast.gemm_choice.Candidate`; default
     ``F.linear``) over ``shapes`` ((in, out) weights) with ``rows`` input rows, cycling through
     enough copies of the weights to keep them out of cache: the median of three timed batches, each
     sized to take at least ``budget_s / 12``.  None when the candidate does not serve ``rows``."""
     import torch
 
-    from cbgen.model.gemm_choice import PLAIN
+    from cbgen.model.cpu_fast.gemm_choice import PLAIN
     from cbgen.utils import resolve_dtype
 
     cand = candidate or PLAIN
@@ -81,7 +81,7 @@ def best_gemm(
     ``{"gflops", "gemm" (its name), "all" (every candidate's GFLOP/s, None if it does not serve)}``."""
     import torch
 
-    from cbgen.model.gemm_choice import PLAIN, candidates
+    from cbgen.model.cpu_fast.gemm_choice import PLAIN, candidates
     from cbgen.utils import resolve_dtype
 
     dt = resolve_dtype(dtype, None, device or "cpu")

@@ -5,7 +5,7 @@ Every workload uses ``ignore_eos`` so that each engine does exactly the same amo
 greedy ones can be compared token for token.
 
 Models: ``smollm2`` is the bundled SmolLM2-135M-Instruct (converted once by
-:func:`cbgen.model.loader.ensure_default_model`); ``tiny`` is a random 2-layer Llama built from a
+:func:`cbgen.model.loading.loader.ensure_default_model`); ``tiny`` is a random 2-layer Llama built from a
 config, so the per-step model cost is close to nothing and engine overhead dominates.  Any other
 model key is taken as a local Hugging Face folder.
 """
@@ -268,7 +268,7 @@ def build_workload(name: str, *, tiny: bool, model: str, vocab_size: int, tokeni
 
 def smollm2_path() -> str:
     """Folder of the converted SmolLM2-135M-Instruct (converted on first use)."""
-    from cbgen.model.loader import ensure_default_model
+    from cbgen.model.loading.loader import ensure_default_model
 
     return str(ensure_default_model())
 
@@ -318,7 +318,7 @@ def load_bench_model(key: str, dtype: str, device: str | None) -> tuple[Any, Any
     dev = resolve_device(device)
     if key == "tiny":
         return make_tiny_model(resolve_dtype(dtype, None, dev), dev), None
-    from cbgen.model.loader import load_model
+    from cbgen.model.loading.loader import load_model
 
     model, tokenizer = load_model(model_path(key), dtype=dtype, device=dev)
     return model.eval(), tokenizer

@@ -15,7 +15,7 @@ from __future__ import annotations
 from typing import Any
 
 from cbgen.distributed.dp import generate_dp
-from cbgen.model.topology import Topology, topology_of
+from cbgen.distributed.topology import Topology, topology_of
 
 __all__ = ["EnginePool", "Topology", "generate_dp", "topology_of"]
 

@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from cbgen.model.topology import topology_of
+from cbgen.distributed.topology import topology_of
 
 
 def generate_dp(

@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from cbgen.model.topology import Topology
+from cbgen.distributed.topology import Topology
 
 
 @dataclass

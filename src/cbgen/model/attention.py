@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers import AttentionInterface
 
-from cbgen.model import paged_ops
+from cbgen.model.kernels.reference import paged_ops
 
 ATTN_NAME = "cbgen_paged"
 
@@ -71,7 +71,7 @@ class AttentionBackend:
     """How one device path attends over the paged cache; one object per engine, chosen at start.
 
     :func:`paged_attention_forward` calls it once per layer through ``meta.backend``.  The defaults
-    are the torch reference of :mod:`cbgen.model.paged_ops`; :mod:`cbgen.model.backends` holds one
+    are the torch reference of :mod:`cbgen.model.kernels.reference.paged_ops`; :mod:`cbgen.model.backends` holds one
     subclass per device path and :func:`cbgen.model.backends.select_backend`.  It lives here, next to
     the metadata that carries it, because each refers to the other.
 

@@ -1,12 +1,12 @@
 """One attention backend object per device path, chosen once at engine start.
 
-* :class:`TorchBackend`: the torch reference (:mod:`cbgen.model.paged_ops`), on any device.
-* :class:`CpuBackend`: the C kernels of :mod:`cbgen.model.cpu_kernels`; also the only backend whose
+* :class:`TorchBackend`: the torch reference (:mod:`cbgen.model.kernels.reference.paged_ops`), on any device.
+* :class:`CpuBackend`: the C kernels of :mod:`cbgen.model.kernels.cpu.ops`; also the only backend whose
   short prefill chunks attend as decode rows, and the one the fused CPU forward
-  (:mod:`cbgen.model.fused_decode`) runs its attention through.
-* :class:`TritonBackend`: the Triton kernels of :mod:`cbgen.model.triton_ops` (CUDA, or the
+  (:mod:`cbgen.model.cpu_fast.fused_forward`) runs its attention through.
+* :class:`TritonBackend`: the Triton kernels of :mod:`cbgen.model.kernels.triton.ops` (CUDA, or the
   interpreter on CPU).
-* :class:`FlashAttnBackend`: flash-attn's paged decode (:mod:`cbgen.model.flash_ops`), with the
+* :class:`FlashAttnBackend`: flash-attn's paged decode (:mod:`cbgen.model.kernels.flash.ops`), with the
   Triton store where Triton runs.
 
 Each holds its KV store and decode kernels, its prefill path (the shared per-chunk SDPA of
@@ -22,8 +22,8 @@ from collections.abc import Callable
 
 import torch
 
-from cbgen.model import cpu_kernels
 from cbgen.model.attention import AttentionBackend, AttentionMetadata
+from cbgen.model.kernels.cpu import ops as cpu_kernels
 
 __all__ = [
     "AttentionBackend",
@@ -179,7 +179,7 @@ class TritonBackend(KernelBackend):
     name = "triton"
 
     def __init__(self) -> None:
-        from cbgen.model import triton_ops
+        from cbgen.model.kernels.triton import ops as triton_ops
 
         super().__init__(triton_ops.triton_store_kv, triton_ops.triton_paged_decode_attention)
 
@@ -191,21 +191,21 @@ class FlashAttnBackend(KernelBackend):
     name = "flash_attn"
 
     def __init__(self, device: torch.device) -> None:
-        from cbgen.model import flash_ops
+        from cbgen.model.kernels.flash import ops as flash_ops
 
         super().__init__(flash_ops.store_kv_for(device), flash_ops.paged_decode_attention)
 
     def check_geometry(self, block_size: int, head_dim: int) -> None:
         """flash-attn's paged cache needs ``block_size`` a multiple of 256, and ``head_dim`` at most
         256 and a multiple of 8."""
-        from cbgen.model import flash_ops
+        from cbgen.model.kernels.flash import ops as flash_ops
 
         flash_ops.check_geometry(block_size, head_dim)
 
     def cuda_graphs_ok(self, device: torch.device) -> bool:
         """False (logged) for flash-attn versions that sync with the host in paged decode, and
         without Triton (the reference store syncs)."""
-        from cbgen.model import flash_ops
+        from cbgen.model.kernels.flash import ops as flash_ops
 
         return flash_ops.cuda_graphs_ok(device)
 
@@ -223,13 +223,13 @@ def select_backend(
     ``auto`` picks, on CUDA, ``flash_attn`` when flash-attn is installed and suits the engine (fp16/bf16,
     sm80+, ``block_size`` a multiple of 256, ``head_dim`` <= 256, a version whose decode CUDA graphs
     capture), else ``triton`` when Triton is installed; on CPU ``cpu`` (the C kernels of
-    :mod:`cbgen.model.cpu_kernels`) when they build here and handle ``dtype``; else ``torch``.
+    :mod:`cbgen.model.kernels.cpu.ops`) when they build here and handle ``dtype``; else ``torch``.
     ``auto`` only considers flash-attn when ``block_size`` and ``head_dim`` are given.  An explicit
     ``flash_attn`` that cannot work raises ``ValueError`` with the reason (unknown sizes are checked
     again by the runner against the KV cache, :meth:`AttentionBackend.check_geometry`).
     """
     if requested == "auto" and device.type == "cuda" and block_size is not None and head_dim is not None:
-        from cbgen.model import flash_ops
+        from cbgen.model.kernels.flash import ops as flash_ops
 
         if flash_ops.HAS_FLASH_ATTN:
             reason = flash_ops.unavailable_reason(device, dtype, block_size, head_dim)
@@ -239,14 +239,14 @@ def select_backend(
                 return FlashAttnBackend(device)
             flash_ops.log.info("cbgen: flash-attn installed but not used: %s", reason)
     if requested == "flash_attn":
-        from cbgen.model import flash_ops
+        from cbgen.model.kernels.flash import ops as flash_ops
 
         reason = flash_ops.unavailable_reason(device, dtype, block_size, head_dim)
         if reason is not None:
             raise ValueError(f"attention_backend='flash_attn' cannot be used: {reason}")
         return FlashAttnBackend(device)
     if requested in ("auto", "triton"):
-        from cbgen.model import triton_ops
+        from cbgen.model.kernels.triton import ops as triton_ops
 
         if triton_ops.HAS_TRITON and (
             device.type == "cuda" or (requested == "triton" and triton_ops.available(device))

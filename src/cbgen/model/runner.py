@@ -15,10 +15,10 @@ from collections.abc import Callable, Iterator
 import torch
 
 from cbgen.model import attention
-from cbgen.model import fused_decode as fused_decode_mod
 from cbgen.model.attention import AttentionBackend
 from cbgen.model.backends import CpuBackend, TorchBackend
-from cbgen.model.fused_decode import FusedDecoder
+from cbgen.model.cpu_fast import fused_forward as fused_decode_mod
+from cbgen.model.cpu_fast.fused_forward import FusedDecoder
 from cbgen.model.graphs import StaticDecodeRunner
 from cbgen.model.input_batch import ModelInput
 from cbgen.model.kv_cache import KVCache

@@ -51,7 +51,7 @@ def cpu_greedy_kernel_fits(raw: torch.Tensor) -> bool:
     kernels built)."""
     if raw.device.type != "cpu" or raw.dtype not in (torch.float32, torch.bfloat16) or raw.stride(1) != 1:
         return False
-    from cbgen.model import cpu_kernels
+    from cbgen.model.kernels.cpu import ops as cpu_kernels
 
     return cpu_kernels.available()
 
@@ -59,7 +59,7 @@ def cpu_greedy_kernel_fits(raw: torch.Tensor) -> bool:
 def greedy_on_cpu(raw: torch.Tensor) -> SamplerOutput:
     """A batch of unmodified greedy rows without top logprobs, in one C kernel (two reads of the
     logits instead of the general path's several passes); same outputs and failure flags."""
-    from cbgen.model import cpu_kernels
+    from cbgen.model.kernels.cpu import ops as cpu_kernels
 
     token, top, lse = cpu_kernels.greedy_rows(raw)
     raw_lp = (top.double() - lse).float()

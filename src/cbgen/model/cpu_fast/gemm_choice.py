@@ -97,7 +97,7 @@ def _onednn_packed() -> Candidate:
 
 
 def _amx() -> Candidate:
-    from cbgen.model import cpu_amx
+    from cbgen.model.kernels.cpu import amx as cpu_amx
 
     def pack(w):
         return cpu_amx.amx_pack(w) if cpu_amx.amx_supports(w) else None
@@ -111,7 +111,7 @@ def _amx() -> Candidate:
 
 
 def _gemv() -> Candidate:
-    from cbgen.model import cpu_kernels
+    from cbgen.model.kernels.cpu import ops as cpu_kernels
 
     if not cpu_kernels.available():
         raise RuntimeError(f"the C kernels did not build: {cpu_kernels.unavailable_reason()}")
@@ -127,7 +127,7 @@ def _gemv() -> Candidate:
 
 
 def _panel(panel_dtype: torch.dtype) -> Candidate:
-    from cbgen.model import cpu_panel
+    from cbgen.model.kernels.cpu import panel as cpu_panel
 
     if not cpu_panel.panel_available():
         raise RuntimeError("the panel GEMM needs the C kernels built for a CPU with AVX2 and FMA")
@@ -152,7 +152,7 @@ def candidates(dtype: torch.dtype) -> dict[str, Candidate]:
     ):
         makers.append(_onednn_packed)
     if dtype == torch.bfloat16:
-        from cbgen.model import cpu_amx
+        from cbgen.model.kernels.cpu import amx as cpu_amx
 
         if cpu_amx.amx_available():
             makers.append(_amx)

@@ -3,7 +3,7 @@
 A weight is packed once into panels of 16 output columns (float32, or bfloat16 for a bfloat16
 weight) (:func:`panel_pack`), and
 :func:`panel_linear` computes ``F.linear(x, weight, bias)`` from them for any row count.  It is one
-candidate of :mod:`cbgen.model.gemm_choice`: it runs only where it was timed faster than the
+candidate of :mod:`cbgen.model.cpu_fast.gemm_choice`: it runs only where it was timed faster than the
 library GEMMs on this machine.  Both entry points check their arguments before calling into C.
 """
 
@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import torch
 
-from cbgen.model.arg_checks import check_rows
-from cbgen.model.cpu_kernels import available, library
+from cbgen.model.kernels.arg_checks import check_rows
+from cbgen.model.kernels.cpu.ops import available, library
 from cbgen.utils import advise_huge_pages
 
 PANEL = 16  # output columns per panel (two 8-lane vectors)

@@ -1,8 +1,8 @@
-"""Pre-packed copies of projection weights for the fused CPU forward (:mod:`cbgen.model.fused_decode`).
+"""Pre-packed copies of projection weights for the fused CPU forward (:mod:`cbgen.model.cpu_fast.fused_forward`).
 
 MKL and oneDNN (float32 and bfloat16) and the AMX kernel (bfloat16) each run a GEMM faster from
 weights reordered once into their own layout than from the user's tensor at every call.  Which of
-them runs decode steps and which prefill steps is a :class:`cbgen.model.gemm_choice.GemmPlan`,
+them runs decode steps and which prefill steps is a :class:`cbgen.model.cpu_fast.gemm_choice.GemmPlan`,
 measured on the machine; this keeps the copies those winners need and rebuilds one whenever its
 weight changes.
 """
@@ -16,7 +16,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from cbgen.model.gemm_choice import AMX_MAX_ROWS, GemmPlan, default_plan
+from cbgen.model.cpu_fast.gemm_choice import AMX_MAX_ROWS, GemmPlan, default_plan
 
 __all__ = ["AMX_MAX_ROWS", "PackedLinears"]
 

@@ -3,7 +3,7 @@
 Why: at decode, a step of a small model on the CPU spends about a third of its time in the ~50
 small torch ops each transformers decoder layer issues (norms, rotary embedding, activation,
 residual adds, views), each paying dispatch and a pass over memory.  This forward runs the same
-math as the transformers modules with the C kernels of :mod:`cbgen.model.cpu_kernels`: per layer,
+math as the transformers modules with the C kernels of :mod:`cbgen.model.kernels.cpu.ops`: per layer,
 the seven projections (torch matmuls), one residual-add + RMSNorm after attention and one after the
 MLP, one rotary call for q and k, the paged KV store and decode attention, and one SiLU-and-multiply.
 
@@ -23,10 +23,13 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from cbgen.model import cpu_amx, cpu_decoder, cpu_kernels, gemm_choice
 from cbgen.model.attention import AttentionMetadata
 from cbgen.model.backends import CpuBackend
-from cbgen.model.packed_linears import AMX_MAX_ROWS, PackedLinears
+from cbgen.model.cpu_fast import gemm_choice
+from cbgen.model.cpu_fast.packed_linears import AMX_MAX_ROWS, PackedLinears
+from cbgen.model.kernels.cpu import amx as cpu_amx
+from cbgen.model.kernels.cpu import decoder as cpu_decoder
+from cbgen.model.kernels.cpu import ops as cpu_kernels
 
 _FAMILIES = ("Llama", "Mistral", "Qwen2", "Qwen3")
 _LAYER = {f"{f}DecoderLayer" for f in _FAMILIES}
@@ -334,7 +337,7 @@ class FusedDecoder:
     def _c_layers(
         self, plan: _Plan, linear: PackedLinears, meta: AttentionMetadata, rows: int
     ) -> tuple | None:
-        """``(gemm, words, floats, dims)`` for :func:`cbgen.model.cpu_decoder.decoder_step` on a
+        """``(gemm, words, floats, dims)`` for :func:`cbgen.model.kernels.cpu.decoder.decoder_step` on a
         decode step of ``rows`` rows: the records of this plan, packed weights and KV cache for the
         GEMM that step uses, or None when the model or that GEMM does not fit the C step (see
         :meth:`_build_c_layers`).  Rebuilt only when one of those changes."""

@@ -1,4 +1,4 @@
-"""The one-call C decode step (``csrc/cpu_decoder.c``), wrapped for :mod:`cbgen.model.fused_decode`.
+"""The one-call C decode step (``csrc/cpu_decoder.c``), wrapped for :mod:`cbgen.model.cpu_fast.fused_forward`.
 
 Every decoder layer of a decode step (projections, rotary embedding, KV store, paged attention,
 residual adds and norms) runs in one call, on the projection GEMM the step would use anyway: AMX
@@ -13,8 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
-from cbgen.model.arg_checks import check_rows
-from cbgen.model.cpu_kernels import library
+from cbgen.model.kernels.arg_checks import check_rows
+from cbgen.model.kernels.cpu.ops import library
 
 # The projection kernels the C step calls, by GEMM candidate name (its ``gemm`` argument).
 GEMMS = {"amx": 0, "panel": 1, "panel_bf16": 2}

@@ -1,7 +1,7 @@
 """CPU kernels written in C, compiled on first use and called through ctypes.
 
 ``csrc/cpu_paged.c`` (paged decode attention, KV store), ``csrc/cpu_fused.c`` (residual add +
-RMSNorm, rotary embedding, SiLU-and-multiply for :mod:`cbgen.model.fused_decode`) and
+RMSNorm, rotary embedding, SiLU-and-multiply for :mod:`cbgen.model.cpu_fast.fused_forward`) and
 ``csrc/cpu_gemm.c`` (bf16 projections on AMX, where the CPU has it) and ``csrc/cpu_decoder.c`` (a
 whole bf16 decode step built from those) are compiled with the system C compiler (``$CC``, else ``cc``) into
 ``~/.cache/cbgen/kernels`` (``$CBGEN_KERNEL_DIR`` overrides), keyed by a hash of the source, the
@@ -31,8 +31,8 @@ from pathlib import Path
 import torch
 
 from cbgen import envs
-from cbgen.model import paged_ops
-from cbgen.model.arg_checks import check_decode, check_rows, check_store
+from cbgen.model.kernels.arg_checks import check_decode, check_rows, check_store
+from cbgen.model.kernels.reference import paged_ops
 
 log = logging.getLogger("cbgen")
 
@@ -319,7 +319,7 @@ def paged_decode_attention(
     max_seq_len: int | None = None,
     impl: int = IMPL_FAST,
 ) -> torch.Tensor:
-    """Same contract as :func:`cbgen.model.paged_ops.paged_decode_attention`, reading KV in place
+    """Same contract as :func:`cbgen.model.kernels.reference.paged_ops.paged_decode_attention`, reading KV in place
     (``impl``: see :func:`decode_direct`)."""
     if query.dtype != k_cache.dtype or not supports(k_cache.dtype):
         return paged_ops.paged_decode_attention(
@@ -345,7 +345,7 @@ def store_kv(
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
 ) -> None:
-    """Same contract as :func:`cbgen.model.paged_ops.store_kv` (a slot of -1 writes nowhere)."""
+    """Same contract as :func:`cbgen.model.kernels.reference.paged_ops.store_kv` (a slot of -1 writes nowhere)."""
     _store_op(
         key.to(k_cache.dtype).contiguous(),
         value.to(v_cache.dtype).contiguous(),

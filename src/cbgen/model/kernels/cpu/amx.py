@@ -1,6 +1,6 @@
-"""The bf16 AMX projections (``csrc/cpu_gemm.c``), wrapped for :mod:`cbgen.model.fused_decode`.
+"""The bf16 AMX projections (``csrc/cpu_gemm.c``), wrapped for :mod:`cbgen.model.cpu_fast.fused_forward`.
 
-They live in the same library as the paged-attention kernels (:mod:`cbgen.model.cpu_kernels`
+They live in the same library as the paged-attention kernels (:mod:`cbgen.model.kernels.cpu.ops`
 builds and loads it); this module only adds their Python entry points, each of which checks its
 arguments before calling into C.
 """
@@ -10,8 +10,8 @@ from __future__ import annotations
 import torch
 
 from cbgen import envs
-from cbgen.model.arg_checks import check_rows
-from cbgen.model.cpu_kernels import available, library
+from cbgen.model.kernels.arg_checks import check_rows
+from cbgen.model.kernels.cpu.ops import available, library
 from cbgen.utils import advise_huge_pages
 
 _amx: bool | None = None

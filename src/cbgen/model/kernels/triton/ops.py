@@ -1,6 +1,6 @@
 """Triton kernels for the two paged-KV primitives (the CUDA fast path).
 
-Same contracts and cache layout as :mod:`cbgen.model.paged_ops`, which stays the reference and the
+Same contracts and cache layout as :mod:`cbgen.model.kernels.reference.paged_ops`, which stays the reference and the
 fallback: callers check :func:`available` and otherwise use the torch functions.
 
 Design notes:
@@ -35,7 +35,7 @@ from typing import Any
 import torch
 
 from cbgen import envs
-from cbgen.model.arg_checks import check_decode, check_store
+from cbgen.model.kernels.arg_checks import check_decode, check_store
 
 try:
     import triton
@@ -381,7 +381,7 @@ def triton_store_kv(
 ) -> None:
     """Writes ``key``/``value`` ``[T, Hkv, D]`` into the paged caches at ``slot_mapping[T]``.
 
-    Same contract as :func:`cbgen.model.paged_ops.store_kv`: caches are
+    Same contract as :func:`cbgen.model.kernels.reference.paged_ops.store_kv`: caches are
     ``[num_blocks, block_size, Hkv, D]``, slot ``s`` is block ``s // block_size`` offset
     ``s % block_size``, and slots ``< 0`` are skipped.  Inputs may be strided views.
     """
@@ -455,7 +455,7 @@ def triton_paged_decode_attention(
     num_splits: int | None = None,
 ) -> torch.Tensor:
     """Decode attention over the paged cache; same contract as
-    :func:`cbgen.model.paged_ops.paged_decode_attention`.
+    :func:`cbgen.model.kernels.reference.paged_ops.paged_decode_attention`.
 
     ``query [B, H, D]`` attends to the first ``seq_lens[b]`` cached tokens of its row (restricted
     to the last ``sliding_window`` of them if given, scores soft-capped by ``softcap`` if given).

@@ -1,6 +1,6 @@
 """The ``flash_attn`` backend: paged decode attention through flash-attn 2's ``flash_attn_with_kvcache``.
 
-Same contract and cache layout as :mod:`cbgen.model.paged_ops` (``[num_blocks, block_size,
+Same contract and cache layout as :mod:`cbgen.model.kernels.reference.paged_ops` (``[num_blocks, block_size,
 num_kv_heads, head_dim]`` per layer), which is exactly flash-attn's paged layout, so the cache is
 read in place through the block table.  Only the decode half is flash's:
 
@@ -37,8 +37,8 @@ from dataclasses import dataclass
 
 import torch
 
-from cbgen.model import paged_ops
-from cbgen.model.arg_checks import check_decode
+from cbgen.model.kernels.arg_checks import check_decode
+from cbgen.model.kernels.reference import paged_ops
 
 log = logging.getLogger("cbgen")
 
@@ -164,7 +164,7 @@ def cuda_graphs_ok(device: torch.device) -> bool:
     Needs a capturable flash-attn (:func:`graph_capturable`) and a store kernel without host syncs
     (Triton: the torch reference store filters padding slots on the host).
     """
-    from cbgen.model import triton_ops
+    from cbgen.model.kernels.triton import ops as triton_ops
 
     if not graph_capturable():
         log.warning(
@@ -186,7 +186,7 @@ def cuda_graphs_ok(device: torch.device) -> bool:
 def _window(sliding_window: int | None) -> tuple[int, int]:
     """flash's ``window_size`` for cbgen's ``sliding_window``.
 
-    The reference (:func:`cbgen.model.paged_ops.decode_mask`) lets the newest token of a row of
+    The reference (:func:`cbgen.model.kernels.reference.paged_ops.decode_mask`) lets the newest token of a row of
     length ``n`` see key ``j`` when ``n - 1 - w < j <= n - 1``: the last ``w`` keys, itself
     included.  flash aligns the query to the bottom right (query ``i`` of ``seqlen_q`` sits at
     ``i + n - seqlen_q``, here ``n - 1``) and keeps keys in ``[n - 1 - left, n - 1 + right]``,
@@ -224,7 +224,7 @@ def paged_decode_attention(
     max_seq_len: int | None = None,
 ) -> torch.Tensor:
     """Decode attention over the paged cache; same contract as
-    :func:`cbgen.model.paged_ops.paged_decode_attention`.
+    :func:`cbgen.model.kernels.reference.paged_ops.paged_decode_attention`.
 
     ``query [B, H, D]`` attends to the first ``seq_lens[b]`` cached tokens of its row (the last
     ``sliding_window`` of them if given, scores soft-capped by ``softcap`` if given).  Rows with
@@ -265,7 +265,7 @@ def paged_decode_attention(
 def store_kv_for(device: torch.device | str):
     """The KV-store function the flash backend uses on ``device``: the Triton kernel where Triton
     runs there, else the torch reference.  Both skip slots of -1."""
-    from cbgen.model import triton_ops
+    from cbgen.model.kernels.triton import ops as triton_ops
 
     return triton_ops.triton_store_kv if triton_ops.available(device) else paged_ops.store_kv
 
@@ -277,5 +277,5 @@ def store_kv(
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
 ) -> None:
-    """Same contract as :func:`cbgen.model.paged_ops.store_kv`, through :func:`store_kv_for`."""
+    """Same contract as :func:`cbgen.model.kernels.reference.paged_ops.store_kv`, through :func:`store_kv_for`."""
     store_kv_for(key.device)(key, value, k_cache, v_cache, slot_mapping)
