@@ -37,7 +37,7 @@ help:
 	@echo "make fuzz       the long engine fuzz soak (FUZZ_MINUTES=30)"
 	@echo "make lint       ruff check + ruff format --check"
 	@echo "make format     ruff format + ruff check --fix"
-	@echo "make bench      run the default benchmark suite"
+	@echo "make bench      install the benchmark harness (benchmarks/) and run the default suite"
 	@echo "make serve      start the OpenAI-compatible server (SERVE_ARGS='--port 8000 ...')"
 	@echo "make venv       only create/refresh .venv"
 	@echo "make clean      remove caches and build artefacts; distclean also removes .venv"
@@ -61,8 +61,9 @@ $(VENV)/.installed: pyproject.toml | $(PY)
 	$(PY) -c 'import torch, cbgen; from cbgen.model.loading.loader import find_default_gguf; find_default_gguf(); print("torch", torch.__version__)'
 	touch $@
 
-$(VENV)/.installed-test: $(VENV)/.installed
-	$(PIP) install -e '.[dev,triton,structured,trl]' '$(TORCH_PIN)' '$(TRITON_PIN)'
+# tests/bench test the benchmark harness, so the test install includes it (benchmarks/, its own package).
+$(VENV)/.installed-test: $(VENV)/.installed benchmarks/pyproject.toml
+	$(PIP) install -e '.[dev,triton,structured,trl]' -e ./benchmarks '$(TORCH_PIN)' '$(TRITON_PIN)'
 	$(PY) -c 'import torch; v = torch.__version__.split("+")[0]; assert v == "$(TORCH_VERSION)", f"torch changed to {torch.__version__}"'
 	touch $@
 
@@ -92,22 +93,28 @@ fuzz: $(VENV)/.installed-test
 	$(TEST_ENV) $(PY) -m pytest -q -s tests/test_engine_fuzz.py
 
 lint: $(VENV)/.installed
-	$(PY) -m ruff check src tests
-	$(PY) -m ruff format --check src tests
+	$(PY) -m ruff check src tests benchmarks
+	$(PY) -m ruff format --check src tests benchmarks
 
 format: $(VENV)/.installed
-	$(PY) -m ruff format src tests
-	$(PY) -m ruff check --fix src tests
+	$(PY) -m ruff format src tests benchmarks
+	$(PY) -m ruff check --fix src tests benchmarks
 
-bench: $(VENV)/.installed
+# The harness is not part of the cbgen wheel: it is the cbgen-bench package in benchmarks/.
+$(VENV)/.installed-bench: $(VENV)/.installed benchmarks/pyproject.toml
+	$(PIP) install -e ./benchmarks '$(TORCH_PIN)'
+	$(PY) -c 'import torch, cbgen_bench; v = torch.__version__.split("+")[0]; assert v == "$(TORCH_VERSION)", f"torch changed to {torch.__version__}"'
+	touch $@
+
+bench: $(VENV)/.installed-bench
 	$(PY) -m cbgen.cli bench $(BENCH_ARGS)
 
 serve: $(VENV)/.installed
 	$(PY) -m cbgen.cli serve $(SERVE_ARGS)
 
 clean:
-	rm -rf build dist .pytest_cache .ruff_cache .hypothesis src/*.egg-info
-	find src tests -name __pycache__ -type d -prune -exec rm -rf {} +
+	rm -rf build dist .pytest_cache .ruff_cache .hypothesis src/*.egg-info benchmarks/*.egg-info
+	find src tests benchmarks -name __pycache__ -type d -prune -exec rm -rf {} +
 
 distclean: clean
 	rm -rf $(VENV)

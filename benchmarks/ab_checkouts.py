@@ -18,9 +18,9 @@ import sys
 import time
 
 import torch
+from cbgen_bench.workloads import DEFAULT_MODELS, build_workload, load_bench_model, vocab_size_of
 
 import cbgen
-from cbgen.bench.workloads import DEFAULT_MODELS, build_workload, load_bench_model, vocab_size_of
 from cbgen.llm import LLM
 from cbgen.sampling_params import SamplingParams
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import sys
 
-from cbgen.bench.cli import main
+from cbgen_bench.cli import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -16,9 +16,9 @@ import statistics
 import time
 
 import torch
+from cbgen_bench.workloads import chat_prompts
 
 from cbgen import LLM, SamplingParams
-from cbgen.bench.workloads import chat_prompts
 
 VARIANTS = {
     "unfused": {"fused_decode": False},

@@ -10,14 +10,14 @@ import sys
 from pathlib import Path
 
 import pytest
+from cbgen_bench.cli import EXIT_CHECK_FAILED, main
+from cbgen_bench.cold_start import MARKS, VLLM_NOTE, ColdRun, ColdStartResult, run_cold_start
+from cbgen_bench.engine_result import EngineResult, RunRecord
+from cbgen_bench.engine_settings import BenchOptions
+from cbgen_bench.report import summarize
+from cbgen_bench.report_markdown import cold_start_markdown, markdown
+from cbgen_bench.workloads import Workload
 
-from cbgen.bench.cli import EXIT_CHECK_FAILED, main
-from cbgen.bench.cold_start import MARKS, VLLM_NOTE, ColdRun, ColdStartResult, run_cold_start
-from cbgen.bench.engine_result import EngineResult, RunRecord
-from cbgen.bench.engine_settings import BenchOptions
-from cbgen.bench.report import summarize
-from cbgen.bench.report_markdown import cold_start_markdown, markdown
-from cbgen.bench.workloads import Workload
 from fake_vllm import FAKE_VLLM
 
 ENGINE_FIELDS = (
@@ -229,9 +229,10 @@ def test_sampled_check_catches_wrong_sampling_and_logprobs() -> None:
     """The plain-forward check of sampled runs (logprob_check.py): tokens drawn at the workload's
     temperature pass, tokens drawn at another temperature fail the z-test, and raw logprobs off by
     more than the tolerance fail the logprob check."""
+    from cbgen_bench.logprob_check import MAX_Z, check_run
+    from cbgen_bench.workloads import build_workload, make_tiny_model
+
     from cbgen import LLM, SamplingParams
-    from cbgen.bench.logprob_check import MAX_Z, check_run
-    from cbgen.bench.workloads import build_workload, make_tiny_model
 
     model = make_tiny_model()
     wl = build_workload("grpo", tiny=True, model="tiny", vocab_size=512)
@@ -472,7 +473,7 @@ def test_cold_start_table_from_dict() -> None:
 def test_workload_flops_count_each_distinct_prompt_prefix_once():
     """The ceiling's FLOPs are the minimal work: a prefix two prompts share (a chat template's
     system prompt) is computed once, as prefix caching does; decode counts every sample."""
-    from cbgen.bench.workloads import ModelDims, Workload, workload_flops
+    from cbgen_bench.workloads import ModelDims, Workload, workload_flops
 
     dims = ModelDims(2, 8, 2, 4, 10, [(8, 8)], 100)
     attn = 4 * 2 * 2 * 4

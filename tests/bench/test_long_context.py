@@ -1,4 +1,4 @@
-"""The ``long`` workload (``cbgen.bench.long_context``, ``cbgen.bench.long_run``): its cases, bounds,
+"""The ``long`` workload (``cbgen_bench.long_context``, ``cbgen_bench.long_run``): its cases, bounds,
 report, the vLLM step-loop protocol (against a fake ``vllm`` package) and one tiny end-to-end run."""
 
 from __future__ import annotations
@@ -8,9 +8,8 @@ import sys
 from pathlib import Path
 
 import pytest
-
-from cbgen.bench.cli import main
-from cbgen.bench.long_context import (
+from cbgen_bench.cli import main
+from cbgen_bench.long_context import (
     CaseTiming,
     LongCase,
     bounds,
@@ -20,7 +19,8 @@ from cbgen.bench.long_context import (
     run_vllm_long,
     summarize_long,
 )
-from cbgen.bench.workloads import ModelDims
+from cbgen_bench.workloads import ModelDims
+
 from fake_vllm import FAKE_VLLM
 
 
