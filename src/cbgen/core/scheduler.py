@@ -5,8 +5,8 @@ arrival order, each asking for what it still lacks (one token when decoding, the
 when prefilling, capped by the budget, which is what chunks a long prefill).  If the block pool
 runs dry, the newest running request is preempted: its blocks are freed and it goes back to the
 front of the queue to be recomputed later (the prefix cache usually makes that cheap).  Waiting
-requests are admitted only while budget, sequence slots and blocks remain, and never in a step
-that had to preempt, so admission cannot evict work that was already running.
+requests are admitted first come, first served, only while budget, sequence slots and blocks remain,
+and never in a step that had to preempt, so admission cannot evict work that was already running.
 
 A running request whose newest token is still on the device (overlap scheduling) is scheduled as
 usual: that token is its next input, patched in on the device.  A preempted one waits until the
@@ -19,37 +19,24 @@ blocks); the rest are queued on their own and run in later waves from the cached
 A request whose tokens need more blocks than the whole pool fails with a reason instead of
 preempting itself forever.
 
-Pausing: a paused group (:meth:`Scheduler.pause`; the async front end pauses a stream whose reader
-fell behind) is preempted at the next schedule, keeping every token it generated, and is not admitted
-again until :meth:`Scheduler.resume`.
-
-Fairness (opt-in: ``Scheduler.fairness``; the server turns it on).  First come, first served lets one
-huge request hold every seat, block and token of the budget for as long as it generates.  With a
-:class:`Fairness` policy, groups belong to *jobs* (a job is one group unless :meth:`Scheduler.set_job`
-puts several in one, e.g. the prompts of one HTTP request) and jobs are served least attained service
-first (service: the tokens computed for a job, and the prompt tokens it found in the prefix cache),
-for the budget and for admission alike.  A job is *young* until it has computed
-``Fairness.quantum`` tokens, *old* after.  A young job that lacks a seat or blocks preempts the
-newest sequences of the most-served old jobs.  While young jobs compute, old jobs get
-``Fairness.old_share`` tokens per young token, counted over those steps (a credit: with a share of
-1/4 and one young decode row per step, one old row every fourth step), and only decode rows while the
-young jobs decode (a prefill chunk would take a decode step off its fast path: fused CPU kernels,
-CUDA graphs).  So a small request waits for at most the step in progress, then gets its first token
-after its own prefill, in steps that cost about what they would alone (at most ``1 + old_share``
-times, where a step's cost grows with its tokens), whatever the size or length of the old work.
-Old work never waits for young work that is blocked, and gets the whole budget once no young job
-computes; young work is bounded (``quantum`` tokens per job), so old jobs always progress.
+Two policies sit on top, each in its own module: jobs, pauses and fairness
+(:mod:`cbgen.core.fairness`: with ``Scheduler.fairness`` set, jobs are served least attained
+service first instead of first come, first served), and cache-aware admission
+(:mod:`cbgen.core.cache_aware`: a prompt waits one step for a block another request completes in
+this step instead of computing it twice).
 """
 
 from __future__ import annotations
 
-import math
 from collections import deque
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from cbgen.core.block_manager import BlockManager
+from cbgen.core.cache_aware import ComputingBlocks
+from cbgen.core.fairness import Fairness, Jobs, RequestFilter
 from cbgen.request import Request, RequestStatus
+
+__all__ = ["Fairness", "RequestFilter", "Scheduler", "SchedulerOutput"]
 
 
 @dataclass
@@ -67,31 +54,13 @@ class SchedulerOutput:
         """Tokens computed by this step."""
         return sum(n for _, n in self.scheduled)
 
+    @property
+    def num_prompt_tokens(self) -> int:
+        """Prompt tokens computed by this step (the rest are generated tokens, or recomputed ones)."""
+        return sum(max(0, min(r.num_prompt_tokens - r.num_computed_tokens, n)) for r, n in self.scheduled)
+
     def __bool__(self) -> bool:
         return bool(self.scheduled)
-
-
-@dataclass
-class Fairness:
-    """How a fair scheduler shares steps between jobs (see the module docstring).
-
-    ``quantum``: tokens a job computes while it is young.  ``old_share``: while young jobs compute, old
-    jobs get this many tokens per young token (None: no cap, which suits devices where a bigger step
-    costs little more).
-    """
-
-    quantum: int = 512
-    # A quarter: on a CPU, one more decode row can cost most of what the first one does.
-    old_share: float | None = 0.25
-
-    def __post_init__(self) -> None:
-        if self.quantum < 0:
-            raise ValueError(f"Fairness.quantum must be >= 0, got {self.quantum!r}")
-        if self.old_share is not None and not self.old_share > 0:
-            raise ValueError(f"Fairness.old_share must be > 0 or None, got {self.old_share!r}")
-
-
-RequestFilter = Callable[[Request], bool]
 
 
 class Scheduler:
@@ -107,15 +76,10 @@ class Scheduler:
         self.block_manager = block_manager
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
-        self.fairness = fairness
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.stats = block_manager.stats  # one record for the whole engine
-        self.paused: set[str] = set()  # group ids
-        self._job_of: dict[str, str] = {}  # group id -> job, where set_job said so
-        self._job_groups: dict[str, int] = {}  # job -> groups set_job put in it and not released
-        self._served: dict[str, int] = {}  # job -> tokens scheduled for it so far
-        self._old_credit = 0.0  # tokens old jobs may still add to steps with young work
+        self.jobs = Jobs(fairness)  # jobs, pauses, service and the fair policy
 
     # ------------------------------------------------------------------ queue management
     def add(self, request: Request) -> None:
@@ -156,75 +120,80 @@ class Scheduler:
 
     def has_runnable_work(self) -> bool:
         """True while some request could be scheduled: one runs, or one waits and is not paused."""
-        return bool(self.running) or any(r.group_id not in self.paused for r in self.waiting)
+        paused = self.paused
+        return bool(self.running) or any(r.group_id not in paused for r in self.waiting)
 
-    # ------------------------------------------------------------------ jobs and pauses
+    # ------------------------------------------------------------------ jobs, pauses, fairness
+    @property
+    def fairness(self) -> Fairness | None:
+        """The fair policy (None: first come, first served); settable."""
+        return self.jobs.fairness
+
+    @fairness.setter
+    def fairness(self, fairness: Fairness | None) -> None:
+        self.jobs.fairness = fairness
+
+    @property
+    def paused(self) -> set[str]:
+        """Ids of the paused groups (see :meth:`pause`)."""
+        return self.jobs.paused
+
+    @paused.setter
+    def paused(self, group_ids: set[str]) -> None:
+        self.jobs.paused = group_ids
+
     def set_job(self, group_id: str, job: str) -> None:
         """Counts the group's service towards ``job`` (shared with the other groups set to it)."""
-        self.release(group_id)
-        self._job_of[group_id] = job
-        self._job_groups[job] = self._job_groups.get(job, 0) + 1
+        self.jobs.set_job(group_id, job)
 
     def release(self, group_id: str) -> None:
         """Forgets what :meth:`set_job` and :meth:`pause` recorded for a group that ended."""
-        self.paused.discard(group_id)
-        job = self._job_of.pop(group_id, None)
-        if job is not None:
-            left = self._job_groups[job] - 1
-            if left:
-                self._job_groups[job] = left
-            else:
-                del self._job_groups[job]
-                self._served.pop(job, None)
+        self.jobs.release(group_id)
 
     def pause(self, group_id: str) -> None:
         """Stops scheduling the group: it is preempted at the next schedule and waits until resumed."""
-        self.paused.add(group_id)
+        self.jobs.pause(group_id)
 
     def resume(self, group_id: str) -> None:
         """Lets a paused group be admitted again (it recomputes what its preemption dropped)."""
-        self.paused.discard(group_id)
+        self.jobs.resume(group_id)
 
     def served(self, request: Request) -> int:
         """Tokens scheduled so far for the job ``request`` belongs to."""
-        return self._served.get(self._job_of.get(request.group_id, request.group_id), 0)
+        return self.jobs.served(request)
 
     def is_young(self, request: Request) -> bool:
         """Whether the request's job has computed fewer than ``fairness.quantum`` tokens."""
-        return self.fairness is not None and self.served(request) < self.fairness.quantum
-
-    def _is_old(self, request: Request) -> bool:
-        return not self.is_young(request)
-
-    def _charge(self, out: SchedulerOutput) -> None:
-        served = self._served
-        for request, n in out.scheduled:
-            job = self._job_of.get(request.group_id, request.group_id)
-            served[job] = served.get(job, 0) + n
-        # Groups nobody released (no set_job) leave entries behind: drop those of jobs that are gone.
-        if len(served) > 2 * (len(self.running) + len(self.waiting)) + 64:
-            live = {self._job_of.get(r.group_id, r.group_id) for r in (*self.running, *self.waiting)}
-            self._served = {job: n for job, n in served.items() if job in live or job in self._job_groups}
+        return self.jobs.is_young(request)
 
     # ------------------------------------------------------------------ the step
-    def _preempt(self, request: Request) -> None:
+    def schedule(self) -> SchedulerOutput:
+        """Builds the next step's batch within the token budget and the block pool."""
+        out = SchedulerOutput()
+        self.jobs.preempt_paused(self, out)
+        if self.fairness is None:
+            budget, victims = self.serve_running(out, self.max_num_batched_tokens)
+            if not victims:
+                self.admit(out, budget)
+        else:
+            self.jobs.schedule_fair(self, out)
+            self.jobs.charge(out.scheduled, self.running, self.waiting)
+        self.stats.prompt_tokens_computed += out.num_prompt_tokens
+        return out
+
+    def preempt(self, request: Request, out: SchedulerOutput) -> None:
+        """Frees the blocks of ``request`` (already out of ``running``) and requeues it at the front,
+        to be recomputed."""
         self.block_manager.free(request)
         request.num_computed_tokens = 0
         request.num_preemptions += 1
         self.stats.preemptions += 1
         self.requeue(request)
-
-    def _preempt_paused(self, out: SchedulerOutput) -> None:
-        paused = [r for r in self.running if r.group_id in self.paused]
-        if paused:
-            self.running = [r for r in self.running if r.group_id not in self.paused]
-            for request in reversed(paused):  # requeued at the front, in their running order
-                self._preempt(request)
-                out.preempted.append(request)
+        out.preempted.append(request)
 
     def _fail_never_fits(self, request: Request, num_tokens: int, out: SchedulerOutput) -> None:
-        """Fails ``request``: ``num_tokens`` of it need more blocks than the whole pool holds, so no
-        preemption can make room and retrying would loop forever."""
+        """Fails ``request``: ``num_tokens`` of it need more blocks than the pool can give it, so no
+        preemption can make room and retrying would loop forever.  The caller takes it off its queue."""
         bm = self.block_manager
         request.error = (
             f"request needs {bm.blocks_needed(num_tokens)} KV blocks of {bm.block_size} tokens for "
@@ -233,57 +202,7 @@ class Scheduler:
         )
         out.failed.append(request)
 
-    def schedule(self) -> SchedulerOutput:
-        """Builds the next step's batch within the token budget and the block pool."""
-        out = SchedulerOutput()
-        self._preempt_paused(out)
-        if self.fairness is None:
-            budget, victims = self._serve_running(out, self.max_num_batched_tokens)
-            if not victims:
-                self._admit(out, budget)
-        else:
-            self._schedule_fair(out)
-            self._charge(out)
-        self.stats.prompt_tokens_computed += sum(
-            max(0, min(r.num_prompt_tokens - r.num_computed_tokens, n)) for r, n in out.scheduled
-        )
-        return out
-
-    def _schedule_fair(self, out: SchedulerOutput) -> None:
-        """Young jobs first (running or waiting, least attained service first; admitted by evicting old
-        work), then old jobs within their share of the step (see the module docstring)."""
-        young, old, served = self.is_young, self._is_old, self.served
-        before = len(out.preempted)  # the paused, preempted above
-        self.running.sort(key=served)  # stable: each job's sequences stay in admission order
-        # A running young job that has had more service than a waiting one goes after its admission.
-        waiting = [served(r) for r in self.waiting if r.group_id not in self.paused and young(r)]
-        cut = min(waiting, default=math.inf)
-        budget, victims = self._serve_running(
-            out, self.max_num_batched_tokens, lambda r: young(r) and served(r) <= cut
-        )
-        if not any(young(v) for v in victims):
-            budget = self._admit(out, budget, young, evict=old)
-        budget, _ = self._serve_running(out, budget, young)
-        young_tokens = out.num_tokens
-        share = self.fairness.old_share if self.fairness is not None else None
-        capped = share is not None and young_tokens > 0
-        if capped:
-            credit = self._old_credit + share * young_tokens
-            self._old_credit = min(credit, float(self.max_num_batched_tokens))
-            budget = min(budget, int(self._old_credit))
-        else:
-            self._old_credit = 0.0
-        # A step of decode rows only takes the fast path (fused CPU kernels, CUDA graphs): old work
-        # must not turn young decoding into a mixed step with a prefill chunk.
-        decoding = young_tokens > 0 and all(n == 1 and _decode_row(r) for r, n in out.scheduled)
-        old_wanted = (lambda r: old(r) and _decode_row(r)) if decoding else old
-        left, _ = self._serve_running(out, budget, old_wanted)
-        if len(out.preempted) == before and not decoding:  # old work is admitted only in steps
-            left = self._admit(out, left, old)  # that preempted nothing
-        if capped:
-            self._old_credit -= budget - left
-
-    def _serve_running(
+    def serve_running(
         self, out: SchedulerOutput, budget: int, wanted: RequestFilter | None = None
     ) -> tuple[int, list[Request]]:
         """Gives running requests (those ``wanted`` and not scheduled yet), in order, what they lack
@@ -313,8 +232,7 @@ class Scheduler:
                 # Newest (fair: most served) first; ``request`` itself is unscheduled, so one is found
                 # at or after it and ``i`` stays valid.
                 victim = self._pop_victim(scheduled)
-                self._preempt(victim)
-                out.preempted.append(victim)
+                self.preempt(victim, out)
                 victims.append(victim)
                 if victim is request:
                     break
@@ -340,81 +258,48 @@ class Scheduler:
         victim = self._pop_victim({id(r) for r, _ in out.scheduled}, evictable)
         if victim is None:
             return False
-        self._preempt(victim)
-        out.preempted.append(victim)
+        self.preempt(victim, out)
         return True
 
-    def _admit(
+    def admit(
         self,
         out: SchedulerOutput,
         budget: int,
         wanted: RequestFilter | None = None,
         evict: RequestFilter | None = None,
     ) -> int:
-        """Admits waiting requests (those ``wanted`` and not paused; fair: least served first) while
-        budget, seats and blocks last, preempting running sequences that are ``evict``-able to make
-        room; returns the budget left.
-
-        An n>1 leader reserves a seat for each follower that fits now; the others are queued on
-        their own when the prompt is computed (a later wave that reuses the cached prompt blocks)."""
-        bm = self.block_manager
-        candidates = [r for r in self.waiting if r.group_id not in self.paused and (not wanted or wanted(r))]
-        if self.fairness is not None:
-            candidates.sort(key=self.served)
-        # Blocks this step completes: a prompt whose next uncached block is among them waits one step
-        # and then finds it cached, instead of computing it a second time in the same step (64 chat
-        # prompts sharing a system prompt computed ~3,000 prompt tokens where ~1,600 are distinct).
-        # Only when something waits: every running row's hashes on every decode step cost ~0.1 ms.
-        computing = {h for r, n in out.scheduled for h in bm.completed_hashes(r, n)} if candidates else set()
-        for request in candidates:
+        """Admits waiting requests (those ``wanted`` and not paused, in :meth:`Jobs.admission_order`)
+        while budget, seats and blocks last, preempting running sequences that are ``evict``-able to
+        make room; returns the budget left."""
+        bm, paused = self.block_manager, self.paused
+        waiting = [r for r in self.waiting if r.group_id not in paused and (not wanted or wanted(r))]
+        computing = ComputingBlocks(bm, out.scheduled)
+        for request in self.jobs.admission_order(waiting):
             while evict and self.num_seats_used >= self.max_num_seqs and self._evict(out, evict):
                 pass
             seats = self.num_seats_used
             if budget <= 0 or seats >= self.max_num_seqs or request.pending:
                 break  # pending: preempted with a token still on the device, which a prefill needs
             cached = bm.match_prefix(request)
-            if (
-                computing
-                and request.num_computed_tokens == 0
-                and _next_block(request, len(cached)) in computing
-            ):
+            if computing.holds_back(request, len(cached)):
                 continue
-            num_tokens = len(cached) * bm.block_size + min(
-                request.num_tokens - len(cached) * bm.block_size, budget
-            )
-            if bm.blocks_needed(num_tokens) > bm.num_blocks:
-                self._fail_never_fits(request, num_tokens, out)
-                self.waiting.remove(request)
-                continue
-            placed = self._allocate_first(out, request, budget, evict)
+            num_cached_tokens = len(cached) * bm.block_size
+            first_chunk = num_cached_tokens + min(request.num_tokens - num_cached_tokens, budget)
+            fits = bm.blocks_needed(first_chunk) <= bm.num_blocks
+            placed = self._allocate_first(out, request, budget, evict) if fits else None
             if placed is None:
-                if not self.running and not out.scheduled:
-                    # The pool is as empty as it will ever be: this request can never fit.
-                    self.waiting.remove(request)
-                    need = bm.blocks_needed(request.num_tokens)
-                    request.error = (
-                        f"request needs {need} KV blocks of {bm.block_size} tokens but the cache has "
-                        f"only {bm.num_blocks}; raise num_blocks/kv_cache_memory or shorten the request"
-                    )
-                    out.failed.append(request)
-                    continue
-                break
-            num_new, num_cached_tokens = placed
-            self.waiting.remove(request)
-            if request.num_preemptions == 0:
-                request.num_cached_tokens = num_cached_tokens
-                # Prompt served from the cache counts as service: a job cannot stay young (and
-                # uncapped) by sending prompts it knows are cached.
-                if self.fairness is not None and num_cached_tokens:
-                    job = self._job_of.get(request.group_id, request.group_id)
-                    self._served[job] = self._served.get(job, 0) + num_cached_tokens
-            self.stats.prefix_cache_queries += request.num_tokens
-            self.stats.prefix_cache_hits += num_cached_tokens
-            request.status = RequestStatus.RUNNING
-            request.fork_seats = min(len(request.followers), self.max_num_seqs - seats - 1)
-            self.running.append(request)
-            out.scheduled.append((request, num_new))
-            computing.update(bm.completed_hashes(request, num_new))
+                # Room comes back as running work ends, and as the blocks of a request that failed in
+                # this step are freed (after schedule() returns): either way the pool is not as empty
+                # as it will get.
+                if fits and (self.running or out.scheduled or any(r.block_ids for r in out.failed)):
+                    break
+                # No preemption can make room: the first chunk needs more than the pool, or the pool
+                # is as empty as it will ever be.
+                self.waiting.remove(request)
+                self._fail_never_fits(request, first_chunk if not fits else request.num_tokens, out)
+                continue
+            num_new = self._start(out, request, placed, seats)
+            computing.add(request, num_new)
             budget -= num_new
         return budget
 
@@ -437,14 +322,22 @@ class Scheduler:
             if not evict or not self._evict(out, evict):
                 return None
 
+    def _start(self, out: SchedulerOutput, request: Request, placed: tuple[int, int], seats: int) -> int:
+        """Moves an admitted request, its blocks ``placed``, from the queue to ``running`` with its
+        first chunk scheduled; returns that chunk's tokens.
 
-def _next_block(request: Request, num_cached_blocks: int) -> int | None:
-    """The prefix hash of the request's first block past its cached prefix (None: not a full block,
-    or not hashed because the prefix cache does not serve this request)."""
-    hashes = request.block_hashes
-    return hashes[num_cached_blocks] if num_cached_blocks < len(hashes) else None
-
-
-def _decode_row(request: Request) -> bool:
-    """Whether computing the request's next tokens is one decode row (one token left to compute)."""
-    return request.num_tokens - request.num_computed_tokens <= 1
+        An n>1 leader reserves a seat for each follower that fits now (``seats`` were taken before
+        it); the others are queued on their own when the prompt is computed (a later wave that reuses
+        the cached prompt blocks)."""
+        num_new, num_cached_tokens = placed
+        self.waiting.remove(request)
+        if request.num_preemptions == 0:
+            request.num_cached_tokens = num_cached_tokens
+            self.jobs.charge_cached(request, num_cached_tokens)
+        self.stats.prefix_cache_queries += request.num_tokens
+        self.stats.prefix_cache_hits += num_cached_tokens
+        request.status = RequestStatus.RUNNING
+        request.fork_seats = min(len(request.followers), self.max_num_seqs - seats - 1)
+        self.running.append(request)
+        out.scheduled.append((request, num_new))
+        return num_new
