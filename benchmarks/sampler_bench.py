@@ -14,6 +14,7 @@ import time
 
 import torch
 
+from cbgen.model.kernels.cpu import ops as cpu_kernels
 from cbgen.request import Request
 from cbgen.sample.sampler import Sampler
 from cbgen.sampling_params import SamplingParams
@@ -87,7 +88,11 @@ def main() -> None:
     args = parser.parse_args()
 
     logits = lm_like_logits(args.batch, args.vocab, args.device)
-    sampler = Sampler(args.vocab)
+    # The engine hands the sampler the C greedy kernel where its execution plan picks it (CPU, C built).
+    kernel = None
+    if args.device == "cpu" and cpu_kernels.available():
+        kernel = cpu_kernels.greedy_rows
+    sampler = Sampler(args.vocab, greedy_kernel=kernel)
     greedy = make_requests(args.batch, lambda i: SamplingParams(temperature=0.0), args.vocab)
     mixed = make_requests(args.batch, mixed_params, args.vocab)
 

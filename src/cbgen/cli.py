@@ -1,4 +1,4 @@
-"""``cbgen generate | serve | bench``."""
+"""``cbgen generate | serve | info | bench``."""
 
 from __future__ import annotations
 
@@ -63,12 +63,49 @@ def _generate(argv: list[str]) -> None:
             print(f">>> {prompt}\n{completion.text.strip()}\n")
 
 
+def _info(argv: list[str]) -> None:
+    parser = argparse.ArgumentParser(
+        prog="cbgen info",
+        description="Print the execution plan cbgen resolves for a model on this machine (generates nothing).",
+    )
+    parser.add_argument("model", nargs="?", default=None, help="HF folder or .gguf file (default: SmolLM2)")
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--device", default=None)
+    parser.add_argument("--attention-backend", default="auto")
+    args = parser.parse_args(argv)
+
+    from cbgen.config import EngineConfig
+    from cbgen.model.loading.loader import load_model
+    from cbgen.model.plan import plan_for_model
+
+    model, _ = load_model(args.model, dtype=args.dtype, device=args.device, tokenizer=False)
+    try:
+        plan = plan_for_model(model, EngineConfig(attention_backend=args.attention_backend))
+    except ValueError as exc:
+        sys.exit(f"cbgen info: {exc}")
+    print(plan.report())
+
+
+def _bench(argv: list[str]) -> None:
+    # The harness is its own package (benchmarks/cbgen_bench), so the runtime wheel stays free of it.
+    try:
+        from cbgen_bench.cli import main as bench_main
+    except ModuleNotFoundError as exc:
+        if exc.name != "cbgen_bench":
+            raise
+        sys.exit(
+            "cbgen bench needs the benchmark harness, which is not installed: run `make bench`, or "
+            "`pip install -e benchmarks` from a cbgen checkout"
+        )
+    bench_main(argv)
+
+
 def main(argv: list[str] | None = None) -> None:
     """Entry point of the ``cbgen`` command."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    commands = {"generate", "serve", "bench"}
+    commands = {"generate", "serve", "info", "bench"}
     if not argv or argv[0] not in commands:
-        print("usage: cbgen {generate,serve,bench} [options]   (cbgen COMMAND --help for details)")
+        print("usage: cbgen {generate,serve,info,bench} [options]   (cbgen COMMAND --help for details)")
         sys.exit(0 if argv and argv[0] in ("-h", "--help") else 2)
     command, rest = argv[0], argv[1:]
     if command == "generate":
@@ -77,10 +114,10 @@ def main(argv: list[str] | None = None) -> None:
         from cbgen.server.app import main as serve_main
 
         serve_main(rest)
+    elif command == "info":
+        _info(rest)
     else:
-        from cbgen.bench.cli import main as bench_main
-
-        bench_main(rest)
+        _bench(rest)
 
 
 if __name__ == "__main__":

@@ -33,11 +33,13 @@ class EngineConfig:
     compile: bool = False
     attention_backend: str = "auto"  # "auto" | "torch" | "cpu" | "triton" | "flash_attn"
     cuda_graph_max_batch: int | None = None  # default: max_num_seqs
-    # CPU: decode-only steps of Llama/Mistral/Qwen2/Qwen3 models run through fused C kernels
-    # (cbgen.model.cpu_fast.fused_forward) instead of the transformers module tree; off = always the latter.
+    # CPU, C attention backend, eager decode: steps of Llama/Mistral/Qwen2/Qwen3 models run through the
+    # fused C forward (cbgen.model.cpu_fast.fused_forward) instead of the transformers module tree,
+    # where the execution plan finds the model qualifies (cbgen.model.plan); off = always the latter.
     fused_decode: bool = True
-    # With fused_decode: keep the projection weights pre-packed for MKL (float32) / oneDNN (bfloat16),
-    # ~10% faster matmuls for one extra copy of those weights (repacked when a weight changes).
+    # With fused_decode: projections run on the GEMM measured fastest on this machine per row class,
+    # most of them on a packed copy of the weights (repacked when a weight changes); off = plain
+    # F.linear on the user's weights.
     prepack_weights: bool = True
     # Overlap scheduling: step N+1 is scheduled, built and launched before step N's tokens are read
     # back (stop checks lag one step; tokens past a stop are dropped).  None: on for CUDA, off on CPU,

@@ -717,16 +717,19 @@ def test_sampled_batch_needs_no_device_read_back(monkeypatch, sampler_mode) -> N
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_cpu_greedy_kernel_matches_general_path(monkeypatch, sampler_mode, dtype) -> None:
-    """Unmodified greedy batches on the CPU take one C kernel (bfloat16 logits read as they are):
-    same tokens (first maximum, NaN as the maximum), raw logprobs and failure flags as the general
-    path."""
+    """Unmodified greedy batches on the CPU take the C kernel the plan hands the sampler (bfloat16
+    logits read as they are): same tokens (first maximum, NaN as the maximum), raw logprobs and
+    failure flags as the general path."""
     from cbgen.model.kernels.cpu import ops as cpu_kernels
 
     if sampler_mode != "sync" or not cpu_kernels.available():
         pytest.skip("the kernel path is the CPU sync mode's")
     calls = []
-    original = cpu_kernels.greedy_rows
-    monkeypatch.setattr(cpu_kernels, "greedy_rows", lambda x: calls.append(1) or original(x))
+
+    def kernel(x):
+        calls.append(1)
+        return cpu_kernels.greedy_rows(x)
+
     gen = torch.Generator().manual_seed(3)
     logits = torch.randn(9, 3001, generator=gen) * 4
     logits[1, 17] = float("nan")
@@ -736,9 +739,9 @@ def test_cpu_greedy_kernel_matches_general_path(monkeypatch, sampler_mode, dtype
     logits[5, :] = 0.0
     logits = logits.to(dtype)
     reqs = [make_request(SamplingParams(temperature=0)) for _ in range(9)]
-    fast = sampler_module.Sampler(3001, sync_free=False)(logits, reqs)
-    general = sampler_module.Sampler(3001, sync_free=True)(logits, reqs)
-    assert calls, "the C kernel was not used"
+    fast = sampler_module.Sampler(3001, sync_free=False, greedy_kernel=kernel)(logits, reqs)
+    general = sampler_module.Sampler(3001, sync_free=True, greedy_kernel=kernel)(logits, reqs)
+    assert calls == [1], "the C kernel was not used (or used by the sync-free path)"
     assert fast.failed.keys() == general.failed.keys() == {1, 2, 3}
     assert fast.token_ids.tolist() == general.token_ids.tolist()
     assert fast.token_ids[4] == 100 and fast.token_ids[5] == 0
@@ -746,3 +749,26 @@ def test_cpu_greedy_kernel_matches_general_path(monkeypatch, sampler_mode, dtype
     torch.testing.assert_close(fast.raw_logprobs[live], general.raw_logprobs[live], atol=1e-5, rtol=0)
     torch.testing.assert_close(fast.log_kept_mass[live], fast.raw_logprobs[live])
     assert fast.logprobs.abs().sum() == 0
+
+
+def test_greedy_kernel_runs_only_where_handed_in(sampler_mode) -> None:
+    """The sampler uses a greedy kernel only when one is handed in (the plan's choice), only for
+    batches of plain greedy rows, and never for logits the kernel cannot read."""
+    calls = []
+
+    def kernel(x):
+        calls.append(x.dtype)
+        return x.float().argmax(1), x.float().amax(1), torch.logsumexp(x.double(), 1)
+
+    logits = torch.randn(4, 50, generator=torch.Generator().manual_seed(0))
+    greedy = [make_request(SamplingParams(temperature=0)) for _ in range(4)]
+    without = Sampler(50)(logits, greedy)
+    assert calls == []
+    with_kernel = Sampler(50, greedy_kernel=kernel)(logits, greedy)
+    assert calls == ([] if sampler_mode == "sync_free" else [torch.float32])
+    assert with_kernel.token_ids.tolist() == without.token_ids.tolist() == logits.argmax(1).tolist()
+    calls.clear()
+    Sampler(50, greedy_kernel=kernel)(logits.double(), greedy)  # not a layout the kernel reads
+    penalised = [make_request(SamplingParams(temperature=0, repetition_penalty=1.5)) for _ in range(4)]
+    Sampler(50, greedy_kernel=kernel)(logits, penalised)  # not plain greedy rows
+    assert calls == []

@@ -15,13 +15,13 @@ from collections.abc import Callable, Iterator
 import torch
 
 from cbgen.model import attention
-from cbgen.model.attention import AttentionBackend
-from cbgen.model.backends import CpuBackend, TorchBackend
-from cbgen.model.cpu_fast import fused_forward as fused_decode_mod
+from cbgen.model.backends import make_backend
 from cbgen.model.cpu_fast.fused_forward import FusedDecoder
+from cbgen.model.cpu_fast.qualify import StructureWatch
 from cbgen.model.graphs import StaticDecodeRunner
 from cbgen.model.input_batch import ModelInput
 from cbgen.model.kv_cache import KVCache
+from cbgen.model.plan import ExecutionPlan, resolve_again
 
 log = logging.getLogger("cbgen")
 
@@ -66,94 +66,77 @@ def _compiled_model_forward():
     return torch.compile(model_forward, dynamic=False)
 
 
-DECODE_MODES = ("auto", "eager", "static", "graphs")
-
-
-def resolve_decode_mode(
-    requested: str, device: torch.device, compile: bool, backend: AttentionBackend
-) -> str:
-    """How decode-only steps run: ``eager`` (the packed batch as it is), ``static`` (padded to a
-    batch bucket in fixed buffers; what CUDA captures, runnable on CPU for tests) or ``graphs``
-    (static, captured as CUDA graphs).  ``auto``: graphs on CUDA when the backend can be captured
-    (else eager, with the reason logged), static on CPU with ``compile``, else eager."""
-    if requested not in DECODE_MODES:
-        raise ValueError(f"decode_mode must be one of {DECODE_MODES}, got {requested!r}")
-    if requested == "graphs" and device.type != "cuda":
-        raise ValueError("decode_mode='graphs' needs a CUDA device (use 'static' for the padded path)")
-    if requested == "eager" and compile:
-        raise ValueError("compile=True compiles the padded decode path: use decode_mode 'auto' or 'static'")
-    if requested != "auto":
-        return requested
-    if device.type == "cuda":
-        return "graphs" if backend.cuda_graphs_ok(device) else ("static" if compile else "eager")
-    return "static" if compile else "eager"
-
-
 class ModelRunner:
     """Executes forwards for the engine; owns the KV cache and the fixed-shape decode path.
 
-    ``backend`` (from :func:`cbgen.model.backends.select_backend`; the torch reference when None)
-    attends on every path: it rides on each step's metadata.  ``decode_mode`` (see
-    :func:`resolve_decode_mode`) says whether decode-only steps run eagerly or through
-    :class:`StaticDecodeRunner`'s padded buffers, captured as CUDA graphs or not; ``compile`` wraps
-    that path's forward in ``torch.compile``.
+    ``plan`` (:func:`cbgen.model.plan.resolve_plan`) says what runs: the attention backend, which
+    rides on each step's metadata; whether decode-only steps run eagerly or through
+    :class:`StaticDecodeRunner`'s padded buffers (captured as CUDA graphs or not, compiled or not);
+    and whether forwards run through the fused CPU forward or the model's modules.  The runner
+    re-resolves the plan when the model's structure changes (see :mod:`cbgen.model.plan`).
     """
 
     def __init__(
         self,
         model: torch.nn.Module,
         kv_cache: KVCache,
-        device: torch.device,
-        backend: AttentionBackend | None = None,
+        plan: ExecutionPlan,
         max_num_seqs: int = 256,
         max_model_len: int = 8192,
-        decode_mode: str = "auto",
-        compile: bool = False,
         cuda_graph_max_batch: int | None = None,
-        fused_decode: bool = False,
-        prepack_weights: bool = False,
     ) -> None:
         self.model = model
         self.kv_cache = kv_cache
-        self.device = device
+        self.device = plan.device
         self.attn_name = attention.register()
         self._configs = _attention_configs(model)
         self._check_layers()
-        self.attn_backend = backend = backend if backend is not None else TorchBackend()
+        self.attn_backend = backend = make_backend(plan.attention, plan.device)
         backend.check_geometry(kv_cache.block_size, kv_cache.geometry.head_dim)
-        self.decode_mode = mode = resolve_decode_mode(decode_mode, device, compile, backend)
-        use_graphs = mode == "graphs"
-        use_static = mode != "eager"
-        self.compiled = compile
+        self.compiled = plan.compile
         self.static: StaticDecodeRunner | None = None
-        if use_static:
-            forward = self._forward
-            if compile:
-                forward = self._compiled_forward
-            dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+        if plan.decode_mode != "eager":
             self.static = StaticDecodeRunner(
-                forward=forward,
+                forward=self._compiled_forward if plan.compile else self._forward,
                 kv_layers=lambda: self.kv_cache.layers,
                 block_size=kv_cache.block_size,
                 max_batch=min(cuda_graph_max_batch or max_num_seqs, max_num_seqs),
                 max_width=-(-max_model_len // kv_cache.block_size),
-                device=device,
-                dtype=dtype,
+                device=plan.device,
+                dtype=plan.dtype,
                 scratch_slot=kv_cache.scratch_slot,
                 backend=backend,
-                use_cuda_graphs=use_graphs,
+                use_cuda_graphs=plan.decode_mode == "graphs",
             )
-        # Eager CPU decode steps of Llama-family models: fused C kernels (falls back per step), with
-        # the C backend's attention.
+        self._watch = StructureWatch(model) if plan.watch_structure else None
+        self._follow(plan)
+        if self.fused is not None:
+            # Engine start, not the first step, pays for packing (~0.3 s for SmolLM2 in bf16).
+            self.fused.prepare()
+
+    def _follow(self, plan: ExecutionPlan) -> None:
+        """Runs what ``plan`` says from the next forward on."""
+        self.plan = plan
         self.fused: FusedDecoder | None = None
-        if fused_decode and isinstance(backend, CpuBackend) and self.static is None:
-            reason = fused_decode_mod.unsupported_reason(model)
-            if reason is None:
-                self.fused = FusedDecoder(model, prepack=prepack_weights, backend=backend)
-                # Engine start, not the first step, pays for packing (~0.3 s for SmolLM2 in bf16).
-                self.fused.prepare()
-            else:
-                log.info("cbgen: fused CPU decode not used: %s", reason)
+        if plan.forward == "fused":
+            self.fused = FusedDecoder(self.model, self.attn_backend, plan.gemms, plan.c_step)
+
+    def _replan(self, why: str) -> None:
+        """Resolves the plan again for the model as it is now, and follows it."""
+        plan = resolve_again(self.plan, self.model)
+        changed = plan.describe() != self.plan.describe()
+        log.log(
+            logging.INFO if changed else logging.DEBUG,
+            "cbgen: execution plan re-resolved (%s): %s",
+            why,
+            plan,
+        )
+        self._follow(plan)
+
+    @property
+    def decode_mode(self) -> str:
+        """How decode-only steps run (the plan's ``decode_mode``)."""
+        return self.plan.decode_mode
 
     @property
     def backend(self) -> str:
@@ -228,28 +211,35 @@ class ModelRunner:
         meta = batch.meta
         meta.kv_caches = self.kv_cache.layers
         meta.backend = self.attn_backend
+        if self._watch is not None and self._watch.changed():
+            # The one check before a step (see cbgen.model.plan): hooks and module swaps reach no
+            # weight fingerprint, and a fused step over them would compute the wrong thing.
+            self._replan("the model's modules, hooks or weight storage changed")
         if self.fused is not None:
             # Outside _paged_mode: the fused path calls no module whose result depends on the
             # attention setting or on training mode (it computes the eval-mode math itself), and
             # that mode switch walks every module of the model (~1 ms a step for 30 layers).
-            logits = self.fused.forward(batch.input_ids, batch.positions, batch.logits_indices, meta)
-            if logits is not None:
-                return logits
+            return self.fused.forward(batch.input_ids, batch.positions, batch.logits_indices, meta)
         with self._paged_mode():
             if self.static is not None and self.static.can_run(batch):
                 return self.static.run(batch)
             return self._forward(batch.input_ids, batch.positions, batch.logits_indices, meta)
 
     def weights_changed(self) -> None:
-        """Drops anything derived from the weights (the fused path's packed copies)."""
-        if self.fused is not None:
+        """Called on every weight change the engine notices: re-resolves the plan when the model's
+        structure changed with it (an adapter injected, a weight recast), else drops what was
+        derived from the old values (the fused path's packed copies)."""
+        if self._watch is not None and self._watch.changed():
+            self._replan("the weights changed with the model's structure")
+        elif self.fused is not None:
             self.fused.weights_changed()
 
     def release(self) -> None:
         """Drops graphs, static buffers and packed weights (the KV cache is released by its owner)."""
         if self.static is not None:
             self.static.release()
-        self.weights_changed()
+        if self.fused is not None:
+            self.fused.weights_changed()
 
     def resume(self) -> None:
         """Re-creates what :meth:`release` dropped."""

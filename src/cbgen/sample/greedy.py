@@ -1,6 +1,9 @@
-"""Greedy rows: the argmax of the stage-1 logits, and the one-kernel CPU shortcut for plain batches."""
+"""Greedy rows: the argmax of the stage-1 logits, and the one-kernel shortcut for plain batches
+(the kernel is the execution plan's choice, handed to the sampler: :mod:`cbgen.model.plan`)."""
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 
@@ -46,22 +49,22 @@ def sample_greedy_rows(
     topk_lp[g] = (vals.double() - lse.unsqueeze(1)).float()
 
 
-def cpu_greedy_kernel_fits(raw: torch.Tensor) -> bool:
-    """Whether :func:`greedy_on_cpu` can take these logits (float32 or bfloat16 rows on the CPU,
-    kernels built)."""
-    if raw.device.type != "cpu" or raw.dtype not in (torch.float32, torch.bfloat16) or raw.stride(1) != 1:
-        return False
-    from cbgen.model.kernels.cpu import ops as cpu_kernels
-
-    return cpu_kernels.available()
+# The C greedy kernel (``cbgen.model.kernels.cpu.ops.greedy_rows``) as the execution plan hands it
+# to the sampler: logits ``[B, V]`` -> (argmax int64, maximum float32, log-sum-exp float64) per row.
+GreedyKernel = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
 
 
-def greedy_on_cpu(raw: torch.Tensor) -> SamplerOutput:
-    """A batch of unmodified greedy rows without top logprobs, in one C kernel (two reads of the
+def kernel_takes(raw: torch.Tensor) -> bool:
+    """Whether ``raw`` has the layout the greedy kernel reads: float32 or bfloat16 rows on the CPU
+    with unit column stride.  The plan hands the kernel to a sampler for its model's logits; this
+    guards a caller passing other logits, which take the general path."""
+    return raw.device.type == "cpu" and raw.dtype in (torch.float32, torch.bfloat16) and raw.stride(1) == 1
+
+
+def greedy_by_kernel(raw: torch.Tensor, kernel: GreedyKernel) -> SamplerOutput:
+    """A batch of unmodified greedy rows without top logprobs, in one kernel call (two reads of the
     logits instead of the general path's several passes); same outputs and failure flags."""
-    from cbgen.model.kernels.cpu import ops as cpu_kernels
-
-    token, top, lse = cpu_kernels.greedy_rows(raw)
+    token, top, lse = kernel(raw)
     raw_lp = (top.double() - lse).float()
     ok = torch.full_like(token, FLAG_OK, dtype=torch.int8)
     flags = torch.where(torch.isfinite(lse), ok, torch.full_like(ok, FLAG_BAD_LOGITS))
@@ -76,4 +79,4 @@ def greedy_on_cpu(raw: torch.Tensor) -> SamplerOutput:
     )
 
 
-__all__ = ["cpu_greedy_kernel_fits", "greedy_on_cpu", "sample_greedy_rows"]
+__all__ = ["GreedyKernel", "greedy_by_kernel", "kernel_takes", "sample_greedy_rows"]

@@ -35,7 +35,7 @@ import torch
 
 from cbgen.request import Request
 from cbgen.sample.batch_params import BatchParams, seeded_uniform
-from cbgen.sample.greedy import cpu_greedy_kernel_fits, greedy_on_cpu, sample_greedy_rows
+from cbgen.sample.greedy import GreedyKernel, greedy_by_kernel, kernel_takes, sample_greedy_rows
 from cbgen.sample.logits_processors import BatchLogitsProcessor, run_batch_processors
 from cbgen.sample.penalties import (
     apply_banned_tokens,
@@ -70,6 +70,10 @@ class Sampler:
     vocabulary in id order instead of by probability.
 
     ``structured`` masks the rows of requests with ``structured_output``; without it such rows fail.
+
+    ``greedy_kernel``: a kernel for batches of plain greedy rows (no penalties, processors or top
+    logprobs) on the read-back path, the execution plan's choice (``ExecutionPlan.greedy_kernel()``:
+    the C kernel on the CPU); None runs them through the general path.
     """
 
     def __init__(
@@ -79,9 +83,11 @@ class Sampler:
         seed: int = 0,
         sync_free: bool | None = None,
         structured: StructuredOutputs | None = None,
+        greedy_kernel: GreedyKernel | None = None,
     ) -> None:
         self.vocab_size = vocab_size
         self.sync_free = sync_free
+        self.greedy_kernel = greedy_kernel
         self.structured = structured
         self._processors: dict[str, BatchLogitsProcessor] = {}
         for proc in logits_processors:
@@ -123,13 +129,15 @@ class Sampler:
         failed: dict[int, str] = {}
         sync_free = self.sync_free if self.sync_free is not None else logits.device.type != "cpu"
         if (
-            not sync_free
+            self.greedy_kernel is not None
+            and not sync_free
             and not params.sampled_rows
             and not params.any_modified
             and params.num_top_logprobs == 0
-            and cpu_greedy_kernel_fits(logits)
+            and kernel_takes(logits)
         ):
-            return greedy_on_cpu(logits)  # reads bfloat16 logits as they are (no float32 copy)
+            # Reads bfloat16 logits as they are (no float32 copy).
+            return greedy_by_kernel(logits, self.greedy_kernel)
         raw, proc = self._stage_0_1(logits, params, requests, failed)
         step = _Step.start(raw, proc, params)
         if params.sampled_rows:

@@ -7,13 +7,15 @@ math as the transformers modules with the C kernels of :mod:`cbgen.model.kernels
 the seven projections (torch matmuls), one residual-add + RMSNorm after attention and one after the
 MLP, one rotary call for q and k, the paged KV store and decode attention, and one SiLU-and-multiply.
 
-It reads the user's modules and weights live at every step (no copies, nothing to invalidate), and
-it only runs where it computes exactly what the model would: the classes are on an allow list of
-known Llama-family implementations (Llama, Mistral, Qwen2, Qwen3), every projection is a plain
-``nn.Linear`` (a PEFT-wrapped layer is not), and no module has hooks.  Anything else takes the
-transformers path.  Steps with prefill chunks use it too (the projections are most of a prefill,
-and pre-packed weights make them faster).  Attention goes through the engine's C backend
-(:class:`cbgen.model.backends.CpuBackend`), with the transformers path's semantics.
+It reads the user's modules and weights live at every step (packed copies follow the weights'
+version counters).  Whether it runs at all is the execution plan's decision (:mod:`cbgen.model.plan`):
+only for a model :func:`cbgen.model.cpu_fast.qualify.unsupported_reason` accepts, re-resolved when
+the model's structure changes, so every model this decoder is given computes exactly what the
+modules would.  The plan also names the projection GEMM of each row class (:func:`choose_gemms`) and
+the row classes whose decode steps run as one C call (:func:`c_step_classes`).  Steps with prefill
+chunks use it too (the projections are most of a prefill, and pre-packed weights make them faster).
+Attention goes through the engine's C backend (:class:`cbgen.model.backends.CpuBackend`), with the
+transformers path's semantics.
 """
 
 from __future__ import annotations
@@ -26,84 +28,14 @@ from torch import nn
 from cbgen.model.attention import AttentionMetadata
 from cbgen.model.backends import CpuBackend
 from cbgen.model.cpu_fast import gemm_choice
-from cbgen.model.cpu_fast.packed_linears import AMX_MAX_ROWS, PackedLinears
+from cbgen.model.cpu_fast.gemm_choice import PLAIN, ROW_CLASSES, GemmPlan
+from cbgen.model.cpu_fast.packed_linears import AMX_MAX_ROWS, PackedLinears, packable
+from cbgen.model.cpu_fast.qualify import unsupported_reason
 from cbgen.model.kernels.cpu import amx as cpu_amx
 from cbgen.model.kernels.cpu import decoder as cpu_decoder
 from cbgen.model.kernels.cpu import ops as cpu_kernels
 
-_FAMILIES = ("Llama", "Mistral", "Qwen2", "Qwen3")
-_LAYER = {f"{f}DecoderLayer" for f in _FAMILIES}
-_ATTN = {f"{f}Attention" for f in _FAMILIES}
-_MLP = {f"{f}MLP" for f in _FAMILIES}
-_NORM = {f"{f}RMSNorm" for f in _FAMILIES}
-_ROTARY = {f"{f}RotaryEmbedding" for f in _FAMILIES}
-_PROJ = ("q_proj", "k_proj", "v_proj", "o_proj")
-_MLP_PROJ = ("gate_proj", "up_proj", "down_proj")
-
-
-def unsupported_reason(model: nn.Module) -> str | None:
-    """Why :class:`FusedDecoder` cannot run ``model`` as it is now (None when it can)."""
-    reason = _structure_reason(model)
-    if reason is None and _any_hooks(model):
-        return "forward hooks are registered"
-    return reason
-
-
-def _structure_reason(model: nn.Module) -> str | None:
-    config = getattr(model, "config", None)
-    inner = getattr(model, "model", None)
-    if config is None or inner is None or not isinstance(getattr(model, "lm_head", None), nn.Linear):
-        return "not a *ForCausalLM with .model and a plain .lm_head"
-    if any(hasattr(p, "device_mesh") for p in model.lm_head.parameters()):
-        return "tensor-parallel (DTensor) weights: the fused path runs whole weights only"
-    if type(model).__name__ not in {f"{f}ForCausalLM" for f in _FAMILIES}:
-        return f"{type(model).__name__} is not on the fused path's allow list"
-    if getattr(config, "hidden_act", None) not in ("silu", "swish"):
-        return f"activation {getattr(config, 'hidden_act', None)!r} is not SiLU"
-    if getattr(config, "pretraining_tp", 1) != 1:
-        return "pretraining_tp != 1"
-    if getattr(config, "final_logit_softcapping", None):
-        return "logit soft-capping"
-    dtype = model.lm_head.weight.dtype
-    if not cpu_kernels.supports(dtype) or model.lm_head.weight.device.type != "cpu":
-        return f"needs float32 or bfloat16 weights on the CPU (got {dtype}, {model.lm_head.weight.device})"
-    if type(getattr(inner, "embed_tokens", None)) is not nn.Embedding:
-        return "embeddings are not a plain nn.Embedding"
-    if type(getattr(inner, "rotary_emb", None)).__name__ not in _ROTARY:
-        return "unknown rotary embedding"
-    if type(getattr(inner, "norm", None)).__name__ not in _NORM:
-        return "unknown final norm"
-    for layer in inner.layers[: config.num_hidden_layers]:
-        reason = _layer_reason(layer)
-        if reason is not None:
-            return reason
-    return None
-
-
-def _layer_reason(layer: nn.Module) -> str | None:
-    attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
-    if (
-        type(layer).__name__ not in _LAYER
-        or type(attn).__name__ not in _ATTN
-        or type(mlp).__name__ not in _MLP
-    ):
-        return f"layer {type(layer).__name__} is not on the allow list"
-    for name in ("input_layernorm", "post_attention_layernorm"):
-        if type(getattr(layer, name, None)).__name__ not in _NORM:
-            return f"unknown {name}"
-    for name in _PROJ:
-        if type(getattr(attn, name, None)) is not nn.Linear:
-            return f"self_attn.{name} is {type(getattr(attn, name, None)).__name__}, not nn.Linear"
-    for name in _MLP_PROJ:
-        if type(getattr(mlp, name, None)) is not nn.Linear:
-            return f"mlp.{name} is {type(getattr(mlp, name, None)).__name__}, not nn.Linear"
-    for name in ("q_norm", "k_norm"):
-        norm = getattr(attn, name, None)
-        if norm is not None and type(norm).__name__ not in _NORM:
-            return f"unknown self_attn.{name}"
-    if attn.head_dim > 512 or attn.head_dim % 2:
-        return "head_dim must be even and at most 512"
-    return None
+__all__ = ["FusedDecoder", "c_step_classes", "choose_gemms", "unsupported_reason"]
 
 
 def _window(attn: nn.Module) -> int:
@@ -113,24 +45,12 @@ def _window(attn: nn.Module) -> int:
     return int(getattr(attn, "sliding_window", None) or 0)
 
 
-def _any_hooks(model: nn.Module) -> bool:
-    # Hooks see (and may change) module inputs and outputs, which the fused path never produces.
-    glob = nn.modules.module
-    if glob._global_forward_hooks or glob._global_forward_pre_hooks:
-        return True
-    return any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())
-
-
-def _contiguous_weights(model: nn.Module) -> bool:
-    return all(p.is_contiguous() for p in model.parameters())
-
-
 # Record fields of the one-call C step, per projection group (see cpu_decoder.DecoderLayout).
 _C_PROJ_FIELDS = (("W_QKV", "B_QKV"), ("W_O", "B_O"), ("W_GATE_UP", "B_GATE_UP"), ("W_DOWN", "B_DOWN"))
 
 
 @dataclass(frozen=True)
-class _LayerPlan:
+class _Layer:
     """One decoder layer's modules and constants as the fused forward uses them.  Parameters are
     held as objects (their values are read at every step); norms as (weight, eps)."""
 
@@ -147,33 +67,39 @@ class _LayerPlan:
     window: int
     layer_idx: int
 
+    @property
+    def groups(self) -> tuple[tuple[nn.Linear, ...], ...]:
+        """The projection groups, each run as one GEMM: q/k/v, o, gate/up, down."""
+        return (self.qkv, (self.o_proj,), self.gate_up, (self.down_proj,))
+
 
 def _norm(module: nn.Module) -> tuple[torch.Tensor, float]:
     return module.weight, float(module.variance_epsilon)
 
 
 @dataclass(frozen=True)
-class _Plan:
-    """What a step reads from the model, looked up once per structure check instead of through
-    ~25 ``nn.Module`` attribute lookups per layer per step."""
+class _Modules:
+    """What a step reads from the model, looked up once instead of through ~25 ``nn.Module``
+    attribute lookups per layer per step (the runner makes a new decoder when the structure
+    changes, see :mod:`cbgen.model.plan`)."""
 
     dtype: torch.dtype
     embed: nn.Module
     rotary: nn.Module
     lm_head: nn.Linear
-    layers: tuple[_LayerPlan, ...]
+    layers: tuple[_Layer, ...]
     next_norms: tuple[tuple[torch.Tensor, float], ...]  # layer i+1's input norm; the final norm last
 
     @classmethod
-    def of(cls, model: nn.Module) -> _Plan:
-        """The plan of a model :func:`unsupported_reason` accepts."""
+    def of(cls, model: nn.Module) -> _Modules:
+        """The modules of a model :func:`unsupported_reason` accepts."""
         inner = model.model
         layers = []
         for layer in inner.layers[: model.config.num_hidden_layers]:
             attn, mlp = layer.self_attn, layer.mlp
             q_norm = getattr(attn, "q_norm", None)
             layers.append(
-                _LayerPlan(
+                _Layer(
                     attn=attn,
                     qkv=(attn.q_proj, attn.k_proj, attn.v_proj),
                     o_proj=attn.o_proj,
@@ -199,25 +125,107 @@ class _Plan:
         )
 
 
-class FusedDecoder:
-    """Runs the steps of a supported model (see the module docstring) with fused CPU kernels.
+def gemm_shapes(model: nn.Module) -> list[tuple[int, int]]:
+    """``[N, K]`` of each projection group of the first layer (what a GEMM choice is keyed by)."""
+    first = _Modules.of(model).layers[0]
+    return [(sum(m.weight.shape[0] for m in g), g[0].weight.shape[1]) for g in first.groups]
 
-    :meth:`forward` returns ``None`` when the model stopped qualifying (an adapter was injected, a
-    hook registered, the dtype changed), so the caller falls back to the transformers path.  The
-    structure check runs when the set of modules or their parameters changes, which it notices from
-    the parameters' identities: cheap enough for every step.
+
+def choose_gemms(model: nn.Module, prepack: bool) -> GemmPlan:
+    """The projection GEMM of each row class for a model the fused forward runs: measured on this
+    machine once and cached on disk (:func:`cbgen.model.cpu_fast.gemm_choice.choose`), or plain
+    ``F.linear`` everywhere without ``prepack``."""
+    if not prepack:
+        return GemmPlan(PLAIN, PLAIN, source="prepack_weights=False", single=PLAIN)
+    modules = _Modules.of(model)
+    groups = [layer.groups for layer in modules.layers]
+    shapes = gemm_shapes(model)
+
+    def make_layers() -> list[list[torch.Tensor]]:
+        per_layer = sum(n * k for n, k in shapes) * modules.layers[0].qkv[0].weight.element_size()
+        count = gemm_choice.timing_layer_count(per_layer, len(groups))
+        return [[torch.cat([m.weight.detach() for m in g]) for g in layer] for layer in groups[:count]]
+
+    return gemm_choice.choose(modules.dtype, shapes, make_layers)
+
+
+def c_step_classes(model: nn.Module, gemms: GemmPlan) -> tuple[frozenset[str], str]:
+    """The row classes whose decode-only steps run as one C call (``csrc/cpu_decoder.c``), and why
+    the others do not, for a model the fused forward runs with ``gemms``."""
+    modules = _Modules.of(model)
+    reason = _c_step_model_reason(modules)
+    if reason is not None:
+        return frozenset(), reason
+    refused = {}
+    for name in ROW_CLASSES:
+        why = _c_step_gemm_reason(modules, gemms.for_class(name).name)
+        if why is not None:
+            refused[name] = why
+    classes = frozenset(c for c in ROW_CLASSES if c not in refused)
+    if not refused:
+        return classes, "every row class's GEMM has a C form"
+    return classes, "; ".join(f"{c}: {why}" for c, why in refused.items())
+
+
+def _c_step_model_reason(modules: _Modules) -> str | None:
+    """Why no decode step of this model can run as one C call (None when its layers fit)."""
+    if modules.dtype not in (torch.float32, torch.bfloat16):
+        return f"{modules.dtype} weights"
+    first = modules.layers[0]
+    d = first.head_dim
+    shape = [tuple(m.weight.shape) for g in first.groups for m in g]
+    for layer, next_norm in zip(modules.layers, modules.next_norms):
+        if layer.qk_norms is not None:
+            return "q/k norms are not in the C step"
+        if layer.head_dim != d or [tuple(m.weight.shape) for g in layer.groups for m in g] != shape:
+            return "the layers differ in shape"
+        if any(w.dtype != modules.dtype for w in (layer.post_norm[0], next_norm[0])):
+            return "norm weights of another dtype"
+        if not all(packable(sum(m.weight.numel() for m in g)) for g in layer.groups):
+            return "projections too small to pack: they run as plain GEMMs"
+    return None
+
+
+def _c_step_gemm_reason(modules: _Modules, gemm: str) -> str | None:
+    """Why the C step cannot call ``gemm`` for this model's projections (None when it can)."""
+    if gemm not in cpu_decoder.GEMMS:
+        return f"{gemm} has no C form"
+    if gemm == "amx":
+        if modules.dtype != torch.bfloat16 or not cpu_amx.amx_available():
+            return "AMX needs bfloat16 weights and a CPU with AMX"
+        for g in modules.layers[0].groups:
+            n, k = sum(m.weight.shape[0] for m in g), g[0].weight.shape[1]
+            if not cpu_amx.amx_supports(torch.empty(n, k, dtype=modules.dtype, device="meta")):
+                return f"AMX does not pack a {n}x{k} projection"
+    return None
+
+
+class FusedDecoder:
+    """Runs the steps of a model the execution plan gave the fused forward (see the module
+    docstring) with fused CPU kernels.
+
+    ``gemms`` is the plan's projection GEMM per row class (default: what the engine used before
+    measuring), ``c_step`` the row classes whose decode-only steps run as one C call.  The decoder
+    decides no path itself: the plan qualified the model, and the runner makes a new decoder when
+    the plan is re-resolved.  What it follows per step is the weights' values (version counters),
+    to repack its copies.
     """
 
-    def __init__(self, model: nn.Module, prepack: bool = True, backend: CpuBackend | None = None) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        backend: CpuBackend | None = None,
+        gemms: GemmPlan | None = None,
+        c_step: frozenset[str] = frozenset(),
+    ) -> None:
         self.model = model
         # Attention goes through the engine's C backend, as on the transformers path.
         self.backend = backend if backend is not None else CpuBackend()
-        self._snap: tuple | None = None
-        self._params: list[nn.Parameter] = []
+        self._gemms = gemms
+        self._c_step = c_step
+        self._params = list(model.parameters())
         self._rope: tuple | None = None  # (key, cos table, sin table), see _rotary
-        self._plan: _Plan | None = None  # the modules each step reads, rebuilt with the snapshot
-        self._ok = False
-        self._prepack = prepack
+        self._modules: _Modules | None = None  # read on the first step
         self._linear: PackedLinears | None = None
         self._versions: list[int] | None = None  # parameter versions the packed copies were made at
         # per GEMM name: (key, layer records or None, what the key's ids name)
@@ -227,41 +235,6 @@ class FusedDecoder:
         """Drops packed weight copies (call when weights changed in a way no version counter shows)."""
         if self._linear is not None:
             self._linear.clear()
-
-    def _still_ok(self) -> bool:
-        # Modules are swapped when adapters are injected, parameters when the model is cast or
-        # loaded; hooks are checked every step because registering one changes neither.  The walk
-        # reuses the module list of the last full check and compares children and parameters by
-        # identity (and storage, which ``.to(dtype)`` or ``.data =`` change): a full traversal of a
-        # 30-layer model cost ~1.3 ms a step, this ~0.2.
-        glob = nn.modules.module
-        if glob._global_forward_hooks or glob._global_forward_pre_hooks:
-            return False
-        snap = self._snap
-        if snap is not None:
-            modules, children, params, ptrs = snap
-            for m, kids, ps in zip(modules, children, params):
-                if m._forward_hooks or m._forward_pre_hooks:
-                    return False
-                if list(m._modules.values()) != kids or list(map(id, m._parameters.values())) != ps:
-                    break
-            else:
-                if [p.data_ptr() for p in self._params] == ptrs:
-                    return self._ok
-        if any(m._forward_hooks or m._forward_pre_hooks for m in self.model.modules()):
-            return False
-        modules = list(self.model.modules())
-        self._params = list(self.model.parameters())
-        self._snap = (
-            modules,
-            [list(m._modules.values()) for m in modules],
-            [list(map(id, m._parameters.values())) for m in modules],
-            [p.data_ptr() for p in self._params],
-        )
-        self._ok = _structure_reason(self.model) is None and _contiguous_weights(self.model)
-        self._linear = None  # modules or parameters changed: repack from scratch
-        self._plan = None
-        return self._ok
 
     def _rotary(
         self, rotary: nn.Module, hidden: torch.Tensor, positions: torch.Tensor
@@ -290,16 +263,12 @@ class FusedDecoder:
             table = self._rope = (key, cos[0].contiguous(), sin[0].contiguous())
         return table[1].index_select(0, positions), table[2].index_select(0, positions)
 
-    def _current_plan(self) -> _Plan | None:
-        """The plan for this step, with packed copies that match the weights; None when the model
-        does not qualify (now)."""
-        if not cpu_kernels.available() or not self._still_ok():
-            return None
-        plan = self._plan
-        if plan is None:
-            plan = self._plan = _Plan.of(self.model)
-        if self._linear is None:
-            self._linear = PackedLinears(plan.dtype, enabled=self._prepack, plan=self._gemm_plan(plan))
+    def _current(self) -> _Modules:
+        """The modules this step reads, with packed copies that match the weights."""
+        modules = self._modules
+        if modules is None:
+            modules = self._modules = _Modules.of(self.model)
+            self._linear = PackedLinears(modules.dtype, plan=self._gemms)
             self._versions = None
         # In-place updates (optimizer steps, copy_) bump version counters: one pass over every
         # parameter here lets the ~120 projection calls of a step skip their own checks.
@@ -307,74 +276,71 @@ class FusedDecoder:
         if versions != self._versions:
             self._linear.clear()
             self._versions = versions
-        return plan
-
-    def _gemm_plan(self, plan: _Plan) -> gemm_choice.GemmPlan | None:
-        """The projection GEMMs for this model, measured on this machine once (cached on disk)."""
-        if not self._prepack:
-            return None
-        groups = [(layer.qkv, (layer.o_proj,), layer.gate_up, (layer.down_proj,)) for layer in plan.layers]
-        shapes = [(sum(m.weight.shape[0] for m in g), g[0].weight.shape[1]) for g in groups[0]]
-
-        def make_layers() -> list[list[torch.Tensor]]:
-            per_layer = sum(n * k for n, k in shapes) * plan.layers[0].qkv[0].weight.element_size()
-            count = gemm_choice.timing_layer_count(per_layer, len(groups))
-            return [[torch.cat([m.weight.detach() for m in g]) for g in layer] for layer in groups[:count]]
-
-        return gemm_choice.choose(plan.dtype, shapes, make_layers)
+        return modules
 
     def prepare(self) -> None:
         """Packs every projection now (at engine start) rather than in the first step; the copies
         stay valid until the weights change."""
-        plan = self._current_plan()
-        if plan is None:
-            return
-        for layer in plan.layers:
-            for modules in (layer.qkv, (layer.o_proj,), layer.gate_up, (layer.down_proj,)):
-                self._linear.entry(modules)
-        self._linear.entry((plan.lm_head,))
+        modules = self._current()
+        for layer in modules.layers:
+            for group in layer.groups:
+                self._linear.entry(group)
+        self._linear.entry((modules.lm_head,))
 
     def _c_layers(
-        self, plan: _Plan, linear: PackedLinears, meta: AttentionMetadata, rows: int
+        self, modules: _Modules, linear: PackedLinears, meta: AttentionMetadata, rows: int
     ) -> tuple | None:
         """``(gemm, words, floats, dims)`` for :func:`cbgen.model.kernels.cpu.decoder.decoder_step` on a
-        decode step of ``rows`` rows: the records of this plan, packed weights and KV cache for the
-        GEMM that step uses, or None when the model or that GEMM does not fit the C step (see
-        :meth:`_build_c_layers`).  Rebuilt only when one of those changes."""
+        decode step of ``rows`` rows: the layer records of these modules, packed weights and KV
+        cache for the GEMM that step uses; None when the plan runs the step's row class in the
+        Python loop, or the records cannot be built (see :meth:`_build_c_layers`).  Rebuilt only
+        when one of those changes."""
+        if gemm_choice.row_class(rows) not in self._c_step:
+            return None
         gemm = linear.plan.for_rows(rows).name
         if gemm == "amx" and rows > AMX_MAX_ROWS:
-            return None  # the AMX candidate hands such steps to torch's GEMM
-        key = (id(plan), id(linear), linear.generation, meta.kv_caches[0][0].data_ptr(), len(meta.kv_caches))
+            return None  # the AMX kernel's row limit: PackedLinears hands such rows to torch's GEMM
+        key = (
+            id(modules),
+            id(linear),
+            linear.generation,
+            meta.kv_caches[0][0].data_ptr(),
+            len(meta.kv_caches),
+        )
         cached = self._c_tables.get(gemm)
         if cached is None or cached[0] != key:
-            # The plan and PackedLinears are held so that their ids in the key stay theirs.
+            # The modules and PackedLinears are held so that their ids in the key stay theirs.
             cached = self._c_tables[gemm] = (
                 key,
-                self._build_c_layers(plan, linear, meta, gemm),
-                plan,
+                self._build_c_layers(modules, linear, meta, gemm),
+                modules,
                 linear,
             )
         return None if cached[1] is None else (gemm, *cached[1])
 
     @staticmethod
     def _build_c_layers(
-        plan: _Plan, linear: PackedLinears, meta: AttentionMetadata, gemm: str
+        mods: _Modules, linear: PackedLinears, meta: AttentionMetadata, gemm: str
     ) -> tuple | None:
         """(words, floats, (heads, kv heads, head_dim, intermediate, block size, blocks)) when every layer's
         projections are packed for ``gemm`` (a GEMM the C step calls: AMX, or the panel GEMM), with
         uniform shapes and no q/k norms; else None.  Records are filled by field name, in the
-        layout the library reports (cpu_decoder.decoder_layout)."""
-        if gemm not in cpu_decoder.GEMMS or plan.dtype not in (torch.float32, torch.bfloat16):
+        layout the library reports (cpu_decoder.decoder_layout).
+
+        The plan chose the C step for this model and GEMM (:func:`c_step_classes`); these checks
+        guard the pointers and sizes handed to C, and a packing that failed at run time (then
+        every GEMM is plain and the Python loop runs)."""
+        if gemm not in cpu_decoder.GEMMS or mods.dtype not in (torch.float32, torch.bfloat16):
             return None
-        if gemm == "amx" and (plan.dtype != torch.bfloat16 or not cpu_amx.amx_available()):
+        if gemm == "amx" and (mods.dtype != torch.bfloat16 or not cpu_amx.amx_available()):
             return None
-        first = plan.layers[0]
+        first = mods.layers[0]
         d = first.head_dim
         heads, kv_heads = first.qkv[0].weight.shape[0] // d, first.qkv[1].weight.shape[0] // d
         inter = first.gate_up[0].weight.shape[0]
         num_blocks, block_size = meta.kv_caches[0][0].shape[:2]
         words, floats = [], []
-        for layer, next_norm in zip(plan.layers, plan.next_norms):
+        for layer, next_norm in zip(mods.layers, mods.next_norms):
             k_cache, v_cache = meta.kv_caches[layer.layer_idx]
             q, k, v = layer.qkv
             if (
@@ -385,13 +351,12 @@ class FusedDecoder:
                 or layer.gate_up[0].weight.shape[0] != inter
                 or tuple(k_cache.shape) != (num_blocks, block_size, kv_heads, d)
                 or v_cache.shape != k_cache.shape
-                or k_cache.dtype != plan.dtype
-                or any(w.dtype != plan.dtype for w in (layer.post_norm[0], next_norm[0]))
+                or k_cache.dtype != mods.dtype
+                or any(w.dtype != mods.dtype for w in (layer.post_norm[0], next_norm[0]))
             ):
                 return None
             row = {}
-            groups = (layer.qkv, (layer.o_proj,), layer.gate_up, (layer.down_proj,))
-            for (weight_field, bias_field), modules in zip(_C_PROJ_FIELDS, groups):
+            for (weight_field, bias_field), modules in zip(_C_PROJ_FIELDS, layer.groups):
                 entry = linear.entry(modules, checked=False)
                 packed = entry.packed.get(gemm) if entry is not None else None
                 if packed is None:
@@ -407,32 +372,30 @@ class FusedDecoder:
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor, meta: AttentionMetadata
-    ) -> torch.Tensor | None:
-        """Logits ``[R, V]`` for ``rows`` of the packed batch, or ``None`` (use the model instead).
+    ) -> torch.Tensor:
+        """Logits ``[R, V]`` for ``rows`` of the packed batch.
 
         Decode-only steps call the backend's C kernels directly; steps with prefill chunks attend
         through :meth:`cbgen.model.backends.CpuBackend.attend_projections`.
         """
-        plan = self._current_plan()
-        if plan is None or any(cache.dtype != plan.dtype for cache, _ in meta.kv_caches):
-            return None
+        mods = self._current()
         linear, backend = self._linear, self.backend
-        hidden = plan.embed(input_ids)
-        cos, sin = self._rotary(plan.rotary, hidden, positions)
+        hidden = mods.embed(input_ids)
+        cos, sin = self._rotary(mods.rotary, hidden, positions)
         tokens = hidden.shape[0]
         mixed = bool(meta.prefills)
         if not mixed:
             table = meta.decode_block_table.to(torch.int32).contiguous()
             seq_lens = meta.decode_seq_lens.to(torch.int32).contiguous()
             slots = meta.slot_mapping.to(torch.int64).contiguous()
-            c_layers = self._c_layers(plan, linear, meta, tokens) if linear.enabled else None
+            c_layers = self._c_layers(mods, linear, meta, tokens) if linear.enabled else None
             if c_layers is not None:
                 gemm, words, floats, dims = c_layers
                 x = cpu_decoder.decoder_step(
                     gemm,
                     words,
                     floats,
-                    plan.layers[0].in_norm,
+                    mods.layers[0].in_norm,
                     hidden,
                     cos,
                     sin,
@@ -441,11 +404,11 @@ class FusedDecoder:
                     slots,
                     *dims,
                 )
-                return linear(x.index_select(0, rows), plan.lm_head, False)
+                return linear(x.index_select(0, rows), mods.lm_head, False)
         x = torch.empty_like(hidden)
         add_rmsnorm = cpu_kernels.add_rmsnorm
-        add_rmsnorm(hidden, None, *plan.layers[0].in_norm, x)
-        for layer, next_norm in zip(plan.layers, plan.next_norms):
+        add_rmsnorm(hidden, None, *mods.layers[0].in_norm, x)
+        for layer, next_norm in zip(mods.layers, mods.next_norms):
             d = layer.head_dim
             q, k, v = linear.group(x, layer.qkv, False)
             if layer.qk_norms is not None:
@@ -479,4 +442,4 @@ class FusedDecoder:
             delta = linear(act, layer.down_proj, False)
             add_rmsnorm(hidden, delta, *next_norm, x)
         picked = x.index_select(0, rows)
-        return linear(picked, plan.lm_head, False)
+        return linear(picked, mods.lm_head, False)

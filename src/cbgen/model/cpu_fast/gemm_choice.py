@@ -179,6 +179,13 @@ def candidates(dtype: torch.dtype) -> dict[str, Candidate]:
     return found
 
 
+def row_class(rows: int) -> str:
+    """The row class of a step of ``rows`` rows: ``single``, ``decode`` or ``prefill``."""
+    if rows <= SINGLE_MAX_ROWS:
+        return "single"
+    return "decode" if rows <= SPLIT_ROWS else "prefill"
+
+
 @dataclass(frozen=True)
 class GemmPlan:
     """The winner of each row class; ``timings`` (seconds per timed cycle) when it was measured.
@@ -192,9 +199,17 @@ class GemmPlan:
 
     def for_rows(self, rows: int) -> Candidate:
         """The candidate for a step of ``rows`` rows."""
-        if rows <= SINGLE_MAX_ROWS and self.single is not None:
-            return self.single
-        return self.decode if rows <= SPLIT_ROWS else self.prefill
+        return self.for_class(row_class(rows))
+
+    def for_class(self, name: str) -> Candidate:
+        """The winner of row class ``name`` (one of :data:`ROW_CLASSES`)."""
+        if name == "single":
+            return self.single if self.single is not None else self.decode
+        return self.decode if name == "decode" else self.prefill
+
+    def names(self) -> dict[str, str]:
+        """The winner's name per row class, in :data:`ROW_CLASSES` order."""
+        return {name: self.for_class(name).name for name in ROW_CLASSES}
 
     @property
     def packs(self) -> tuple[Candidate, ...]:

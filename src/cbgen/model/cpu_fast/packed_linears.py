@@ -18,10 +18,16 @@ from torch.nn import functional as F
 
 from cbgen.model.cpu_fast.gemm_choice import AMX_MAX_ROWS, GemmPlan, default_plan
 
-__all__ = ["AMX_MAX_ROWS", "PackedLinears"]
+__all__ = ["AMX_MAX_ROWS", "PackedLinears", "packable"]
 
 # Below this a packed GEMM's call overhead (~90 us measured at 256 x 64 x 64) outweighs its gain.
 _PACK_MIN_ELEMS = 1 << 16
+
+
+def packable(numel: int) -> bool:
+    """Whether a projection group of ``numel`` weights gets packed copies (smaller groups run plain
+    GEMMs, so neither a packed GEMM nor the one-call C step, which reads packed copies, serves them)."""
+    return numel >= _PACK_MIN_ELEMS
 
 
 def _stamp(modules: tuple[nn.Linear, ...]) -> list[int]:
@@ -134,7 +140,7 @@ class PackedLinears:
         single one as its own ``F.linear``."""
         held = [t for m in modules for t in (m.weight, m.bias) if t is not None]
         widths = None if len(modules) == 1 else [m.weight.shape[0] for m in modules]
-        small = sum(m.weight.numel() for m in modules) < _PACK_MIN_ELEMS
+        small = not packable(sum(m.weight.numel() for m in modules))
         if small and len(modules) == 1:
             return PackedEntry(_stamp(modules), {}, None, None, held, None)
         with torch.no_grad():

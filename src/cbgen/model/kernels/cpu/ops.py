@@ -32,7 +32,6 @@ import torch
 
 from cbgen import envs
 from cbgen.model.kernels.arg_checks import check_decode, check_rows, check_store
-from cbgen.model.kernels.reference import paged_ops
 
 log = logging.getLogger("cbgen")
 
@@ -184,7 +183,7 @@ def unavailable_reason() -> str | None:
 
 
 def supports(dtype: torch.dtype) -> bool:
-    """Whether the kernels handle a cache of ``dtype`` (float16 falls back to torch)."""
+    """Whether the kernels handle a cache of ``dtype`` (float32, bfloat16; the plan gives others torch)."""
     return dtype in _DTYPES
 
 
@@ -320,10 +319,13 @@ def paged_decode_attention(
     impl: int = IMPL_FAST,
 ) -> torch.Tensor:
     """Same contract as :func:`cbgen.model.kernels.reference.paged_ops.paged_decode_attention`, reading KV in place
-    (``impl``: see :func:`decode_direct`)."""
+    (``impl``: see :func:`decode_direct`), for a float32 or bfloat16 query and cache of one dtype.
+    Other dtypes are refused, not sent elsewhere: the execution plan (:mod:`cbgen.model.plan`) gives
+    them the torch backend."""
     if query.dtype != k_cache.dtype or not supports(k_cache.dtype):
-        return paged_ops.paged_decode_attention(
-            query, k_cache, v_cache, block_table, seq_lens, scale, sliding_window, softcap, max_seq_len
+        raise ValueError(
+            f"the C decode kernel takes a float32 or bfloat16 query and cache of one dtype, got "
+            f"{query.dtype} and {k_cache.dtype} (the torch backend attends other dtypes)"
         )
     return _decode_op(
         query.contiguous(),

@@ -1,0 +1,312 @@
+"""One execution plan per engine: which code paths run for this model on this machine, and why.
+
+:func:`resolve_plan` makes every choice of path, once, when the engine starts, by asking the
+deciders that know each part:
+
+* the attention backend (:func:`cbgen.model.backends.backend_choice`);
+* how decode-only steps run (:func:`decode_mode_choice`: eager, padded ``static``, CUDA ``graphs``);
+* the forward: ``fused`` (the C forward of :mod:`cbgen.model.cpu_fast.fused_forward`, for models
+  :func:`cbgen.model.cpu_fast.qualify.unsupported_reason` accepts) or ``module`` (the transformers
+  module tree with cbgen's paged attention);
+* with the fused forward, the projection GEMM of each row class
+  (:mod:`cbgen.model.cpu_fast.gemm_choice`, measured once per machine) and the row classes whose
+  decode steps run as one C call;
+* the sampler's paths: the C kernel for batches of plain greedy rows, or torch; and whether sampled
+  rows read values back from the device or never do.
+
+The engine logs the plan in one line (logger ``cbgen``), keeps it as ``engine.plan`` and builds the
+runner, its attention backend and the sampler from it; ``cbgen info MODEL`` prints it.  The runner,
+the fused forward and the sampler read the plan and choose nothing themselves.
+
+**When the model's structure changes** (a decision, recorded here).  Whether the fused forward
+computes exactly what the model computes depends on the model as it is now: a PEFT adapter injected,
+a hook registered, a module swapped or a weight recast after the engine started can each make it
+wrong.  The fused forward never checks this itself any more; instead the plan is re-resolved, by
+:func:`resolve_plan` with the same settings, and the runner switches to what the new plan says
+(logged at INFO when the plan changed):
+
+* On a weight change.  The engine's ``WeightWatcher`` (:mod:`cbgen.model.loading.weights`) notices
+  new parameters (an adapter injected), new storage (a recast, ``.data =``) and adapter switches,
+  and the engine then calls :meth:`cbgen.model.runner.ModelRunner.weights_changed`, which
+  re-resolves the plan when the structure changed (an optimizer step changes values only and keeps
+  the plan).
+* Before every step, a guard, while the choice of forward depends on the structure (fused enabled,
+  the C backend, eager decode steps: :attr:`ExecutionPlan.watch_structure`).  It stays because
+  some changes reach no weight fingerprint: a forward hook registered or removed, or a module
+  swapped for a wrapper holding the same parameters, change neither versions, storage nor the
+  parameter set, and a fused step over them would silently compute the wrong thing.  The guard
+  (:class:`cbgen.model.cpu_fast.qualify.StructureWatch`, ~0.2 ms a step on a 30-layer model)
+  decides nothing: when it fires, the plan is re-resolved and logged, and the step runs the new
+  plan.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from cbgen.config import EngineConfig
+from cbgen.model.attention import AttentionBackend
+from cbgen.model.backends import backend_choice, make_backend
+from cbgen.model.cpu_fast import fused_forward
+from cbgen.model.cpu_fast.gemm_choice import ROW_CLASSES, GemmPlan
+from cbgen.model.kernels.cpu import ops as cpu_kernels
+from cbgen.model.kv_cache import KVGeometry
+
+log = logging.getLogger("cbgen")
+
+__all__ = ["DECODE_MODES", "ExecutionPlan", "decode_mode_choice", "plan_for_model", "resolve_plan"]
+
+DECODE_MODES = ("auto", "eager", "static", "graphs")
+
+# Where a GemmPlan's choice came from (GemmPlan.source), in words.
+_GEMM_SOURCES = {
+    "cache": "measured on this machine before, cached on disk",
+    "measured": "measured on this machine now",
+    "CBGEN_GEMM": "forced by CBGEN_GEMM",
+    "default": "not measured",
+}
+
+GreedyKernel = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+
+
+@dataclass(frozen=True)
+class ExecutionPlan:
+    """What runs for one model on one machine, each choice with the reason it was made.
+
+    ``attention``: the backend name (``torch``, ``cpu``, ``triton``, ``flash_attn``).
+    ``decode_mode``: ``eager``, ``static`` or ``graphs``.  ``forward``: ``fused`` or ``module``.
+    ``gemms``: with the fused forward, the projection GEMM per row class (``single``, ``decode``,
+    ``prefill``); ``c_step``: the row classes whose decode-only steps run as one C call.
+    ``greedy``: ``c`` (one C kernel for batches of plain greedy rows) or ``torch``.
+    ``sampled_rows``: ``readback`` or ``sync_free`` (see :class:`cbgen.sample.sampler.Sampler`).
+    ``row_prefill_max``: prefill chunks up to this many tokens attend as decode rows.
+    ``watch_structure``: whether the choice of forward depends on the model's structure, so the
+    runner watches it (see the module docstring).
+    """
+
+    model: str
+    device: torch.device
+    dtype: torch.dtype
+    attention: str
+    attention_why: str
+    decode_mode: str
+    decode_mode_why: str
+    forward: str
+    forward_why: str
+    gemms: GemmPlan | None = field(compare=False)
+    c_step: frozenset[str]
+    c_step_why: str
+    greedy: str
+    greedy_why: str
+    sampled_rows: str
+    sampled_rows_why: str
+    row_prefill_max: int
+    watch_structure: bool
+    # What the plan was resolved from, so that it can be resolved again (resolve_plan's ``previous``).
+    config: EngineConfig = field(repr=False, compare=False)
+    head_dim: int = field(repr=False, compare=False)
+    gemm_shapes: tuple[tuple[int, int], ...] = field(default=(), repr=False, compare=False)
+
+    @property
+    def compile(self) -> bool:
+        """Whether the padded decode path runs through ``torch.compile``."""
+        return self.config.compile
+
+    def greedy_kernel(self) -> GreedyKernel | None:
+        """The kernel the sampler hands batches of plain greedy rows (None: the general torch path)."""
+        return cpu_kernels.greedy_rows if self.greedy == "c" else None
+
+    def _gemm_entries(self, per_class: bool) -> list[tuple[str, str, str]]:
+        names = self.gemms.names() if self.gemms is not None else {}
+        source = self.gemms.source if self.gemms is not None else "-"
+        why = _GEMM_SOURCES.get(source, source)
+        if per_class:
+            return [(f"GEMM {c}", n, why) for c, n in names.items()]
+        return [("GEMM", ", ".join(f"{c} {n}" for c, n in names.items()), why)]
+
+    def _entries(self, per_class: bool = False) -> list[tuple[str, str, str]]:
+        """(label, choice, reason) of every decision, in the order a step meets them; ``per_class``:
+        the GEMM of each row class on an entry of its own."""
+        entries = [
+            ("attention", self.attention, self.attention_why),
+            ("forward", self.forward, self.forward_why),
+        ]
+        if self.forward == "fused":
+            entries += self._gemm_entries(per_class)
+            c_step = ", ".join(c for c in ROW_CLASSES if c in self.c_step) or "none"
+            entries.append(("C decode step", c_step, self.c_step_why))
+        entries += [
+            ("decode mode", self.decode_mode, self.decode_mode_why),
+            ("greedy", "C kernel" if self.greedy == "c" else "torch", self.greedy_why),
+            ("sampled rows", self.sampled_rows, self.sampled_rows_why),
+        ]
+        if self.row_prefill_max:
+            entries.append(("short prefill", f"<= {self.row_prefill_max} tokens", "attended as decode rows"))
+        return entries
+
+    def _title(self) -> str:
+        return f"{self.model} on {self.device}, {str(self.dtype).removeprefix('torch.')}"
+
+    def describe(self) -> str:
+        """The plan in one line (what the engine logs at start)."""
+        return f"{self._title()}: " + "; ".join(f"{k} {v} ({why})" for k, v, why in self._entries())
+
+    def __str__(self) -> str:
+        return self.describe()
+
+    def report(self) -> str:
+        """The plan on several lines, one decision a line (what ``cbgen info`` prints)."""
+        lines = [f"execution plan for {self._title()}"]
+        for label, choice, why in self._entries(per_class=True):
+            lines.append(f"  {label:<14} {choice:<16} {why}")
+        return "\n".join(lines)
+
+
+def resolve_plan(
+    model: nn.Module,
+    config: EngineConfig,
+    device: torch.device | str,
+    dtype: torch.dtype,
+    *,
+    head_dim: int | None = None,
+    previous: ExecutionPlan | None = None,
+) -> ExecutionPlan:
+    """Every choice of code path for ``model`` on ``device``, with a KV cache of ``dtype``, under
+    ``config`` (see the module docstring).  Raises ``ValueError`` for settings that cannot work.
+
+    ``head_dim`` (default: from the model's config) lets ``auto`` consider flash-attn.
+    ``previous``, the plan this one replaces: its GEMM choice is kept when the projections' shapes
+    and dtype did not change, instead of reading the on-disk cache (or measuring) again.
+    """
+    device = torch.device(device)
+    if head_dim is None:
+        head_dim = KVGeometry.from_model(model, dtype).head_dim
+    attention, attention_why = backend_choice(
+        config.attention_backend, device, dtype, block_size=config.block_size, head_dim=head_dim
+    )
+    backend = make_backend(attention, device)
+    decode_mode, decode_mode_why = decode_mode_choice(config.decode_mode, device, config.compile, backend)
+    forward, forward_why = _forward_choice(model, config, dtype, attention, decode_mode)
+    gemms, shapes, c_step, c_step_why = None, (), frozenset(), "not with the module forward"
+    if forward == "fused":
+        gemms, shapes = _gemms(model, config.prepack_weights, previous)
+        c_step, c_step_why = fused_forward.c_step_classes(model, gemms)
+    greedy, greedy_why = _greedy_choice(device, dtype)
+    sampled_rows, sampled_rows_why = _sampled_rows_choice(device)
+    return ExecutionPlan(
+        model=type(model).__name__,
+        device=device,
+        dtype=dtype,
+        attention=attention,
+        attention_why=attention_why,
+        decode_mode=decode_mode,
+        decode_mode_why=decode_mode_why,
+        forward=forward,
+        forward_why=forward_why,
+        gemms=gemms,
+        c_step=c_step,
+        c_step_why=c_step_why,
+        greedy=greedy,
+        greedy_why=greedy_why,
+        sampled_rows=sampled_rows,
+        sampled_rows_why=sampled_rows_why,
+        row_prefill_max=backend.row_prefill_max,
+        watch_structure=config.fused_decode and attention == "cpu" and decode_mode == "eager",
+        config=dataclasses.replace(config),
+        head_dim=head_dim,
+        gemm_shapes=shapes,
+    )
+
+
+def resolve_again(plan: ExecutionPlan, model: nn.Module) -> ExecutionPlan:
+    """:func:`resolve_plan` with the settings ``plan`` was resolved from, for the model as it is now."""
+    return resolve_plan(model, plan.config, plan.device, plan.dtype, head_dim=plan.head_dim, previous=plan)
+
+
+def plan_for_model(model: nn.Module, config: EngineConfig | None = None) -> ExecutionPlan:
+    """The plan an engine resolves for ``model`` under ``config`` (``cbgen info``): on the device of
+    its parameters, with the dtype of its first floating-point one, as the engine takes them."""
+    params = list(model.parameters())
+    dtype = next((p.dtype for p in params if p.is_floating_point()), torch.float32)
+    return resolve_plan(model, config or EngineConfig(), params[0].device, dtype)
+
+
+def decode_mode_choice(
+    requested: str, device: torch.device, compile: bool, backend: AttentionBackend
+) -> tuple[str, str]:
+    """How decode-only steps run, and why: ``eager`` (the packed batch as it is), ``static`` (padded
+    to a batch bucket in fixed buffers; what CUDA captures, runnable on CPU for tests) or ``graphs``
+    (static, captured as CUDA graphs).  ``auto``: graphs on CUDA when the backend can be captured
+    (else eager, or static with ``compile``), static on CPU with ``compile``, else eager."""
+    if requested not in DECODE_MODES:
+        raise ValueError(f"decode_mode must be one of {DECODE_MODES}, got {requested!r}")
+    if requested == "graphs" and device.type != "cuda":
+        raise ValueError("decode_mode='graphs' needs a CUDA device (use 'static' for the padded path)")
+    if requested == "eager" and compile:
+        raise ValueError("compile=True compiles the padded decode path: use decode_mode 'auto' or 'static'")
+    if requested != "auto":
+        return requested, "requested"
+    if device.type == "cuda":
+        if backend.cuda_graphs_ok(device):
+            return "graphs", f"auto on CUDA: {backend.name} decode steps can be captured"
+        if compile:
+            return "static", f"auto on CUDA: {backend.name} cannot be captured; compile runs the padded path"
+        return "eager", f"auto on CUDA: {backend.name} decode steps cannot be captured in CUDA graphs"
+    if compile:
+        return "static", "auto with compile: torch.compile compiles the padded decode path"
+    return "eager", f"auto on {device.type} without compile"
+
+
+def _forward_choice(
+    model: nn.Module, config: EngineConfig, dtype: torch.dtype, attention: str, decode_mode: str
+) -> tuple[str, str]:
+    if not config.fused_decode:
+        return "module", "fused_decode=False"
+    if attention != "cpu":
+        return "module", f"the fused forward attends through the C backend, not {attention}"
+    if decode_mode != "eager":
+        return "module", f"decode_mode {decode_mode}: padded decode steps run the module forward"
+    reason = fused_forward.unsupported_reason(model)
+    if reason is not None:
+        return "module", reason
+    weights = model.lm_head.weight.dtype
+    if weights != dtype:
+        return "module", f"the KV cache holds {dtype}, the weights are {weights}"
+    return "fused", f"{type(model).__name__} on the allow list, plain nn.Linear projections, no hooks"
+
+
+def _gemms(
+    model: nn.Module, prepack: bool, previous: ExecutionPlan | None
+) -> tuple[GemmPlan, tuple[tuple[int, int], ...]]:
+    shapes = tuple(fused_forward.gemm_shapes(model))
+    if (
+        previous is not None
+        and previous.gemms is not None
+        and previous.gemm_shapes == shapes
+        and previous.dtype == model.lm_head.weight.dtype
+        and previous.config.prepack_weights == prepack
+    ):
+        return previous.gemms, shapes
+    return fused_forward.choose_gemms(model, prepack), shapes
+
+
+def _greedy_choice(device: torch.device, dtype: torch.dtype) -> tuple[str, str]:
+    if device.type != "cpu":
+        return "torch", f"on {device.type}: argmax on the device"
+    if not cpu_kernels.supports(dtype):
+        return "torch", f"the C kernel reads float32/bfloat16 logits, not {str(dtype).removeprefix('torch.')}"
+    if not cpu_kernels.available():
+        return "torch", f"the C kernels are unavailable ({cpu_kernels.unavailable_reason()})"
+    return "c", "batches of plain greedy rows in one C kernel"
+
+
+def _sampled_rows_choice(device: torch.device) -> tuple[str, str]:
+    if device.type == "cpu":
+        return "readback", "on the CPU a read-back costs nothing"
+    return "sync_free", f"on {device.type} every read-back waits for the device's queue"
