@@ -493,3 +493,54 @@ def test_fair_engine_serves_a_small_request_while_a_big_one_runs(fair):
     finally:
         ae.shutdown(timeout=30)
     assert (ended_before == 0) if fair else (ended_before >= 1)
+
+
+# ---------------------------------------------------------------------------------------------- the engine facade
+def test_engine_control_pauses_reports_and_knows_when_there_is_work(llm):
+    engine = llm.engine
+    control = engine.control
+    params = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)
+    a, b = engine.add_request([5, 6, 7], params), engine.add_request([8, 9], params)
+    snap = control.snapshot()
+    assert (snap.running, snap.waiting, snap.paused, snap.num_used_blocks) == (0, 2, 0, 0)
+    assert snap.num_free_blocks == snap.num_blocks == 64
+    control.pause(a)
+    control.pause(b)
+    assert control.snapshot().paused == 2 and not control.has_runnable_work()
+    engine.step()  # nothing runs while both are paused
+    assert control.snapshot().waiting == 2 and engine.stats.generated_tokens == 0
+    control.resume(a)
+    assert control.has_runnable_work()
+    engine.step()
+    snap = control.snapshot()
+    assert (snap.running, snap.waiting, snap.paused) == (1, 1, 1)
+    assert snap.num_used_blocks == 1 and snap.num_free_blocks == 63 and snap.kv_usage == pytest.approx(1 / 64)
+    control.resume_all()
+    assert control.snapshot().paused == 0
+    while engine.has_unfinished():
+        engine.step()
+    assert not control.has_runnable_work() and control.snapshot().num_used_blocks == 0
+    control.fairness = Fairness(quantum=8)
+    assert control.fairness.quantum == 8
+
+
+def test_front_ends_reach_the_engine_only_through_its_facade():
+    """AsyncEngine and the server never touch the scheduler, the block manager, the step in flight
+    or the lockstep of an engine (``engine.control`` and ``engine.request_limits`` are theirs)."""
+    import ast
+    from pathlib import Path
+
+    import cbgen
+
+    root = Path(cbgen.__file__).parent
+    private = {"scheduler", "block_manager", "in_flight", "sync", "lockstep"}
+    found = []
+    for path in [root / "async_engine.py", *sorted((root / "server").glob("*.py"))]:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not (isinstance(node, ast.Attribute) and node.attr in private):
+                continue
+            owner = node.value
+            name = owner.attr if isinstance(owner, ast.Attribute) else getattr(owner, "id", "")
+            if name in ("engine", "core"):
+                found.append(f"{path.name}:{node.lineno} {ast.unparse(node)}")
+    assert found == []

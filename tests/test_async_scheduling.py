@@ -191,3 +191,117 @@ def test_next_step_is_built_before_this_one_samples(llama):
     assert all(len(o.outputs[0].token_ids) == 30 for o in outs)
     # Every step that sampled while more work remained had the next batch ready first.
     assert sum(seen) >= 25 and seen[-1] is False
+
+
+# ---------------------------------------------------------------------------------------------- the step as a value
+def _run_outputs(engine, drive) -> list[list[tuple]]:
+    """Per step: (request id, token ids per sample, finish reasons) of every output."""
+    steps = []
+    while engine.has_unfinished():
+        steps.append(
+            [
+                (o.request_id, [c.token_ids for c in o.outputs], [c.finish_reason for c in o.outputs])
+                for o in drive()
+            ]
+        )
+    return steps
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_the_in_flight_value_is_all_a_step_carries(llama, async_scheduling):
+    """Driving ``_step`` by hand, passing each result's ``in_flight`` to the next call and never
+    setting the engine's attribute, gives exactly what ``step()`` gives."""
+    stops = SamplingParams(max_tokens=20, temperature=0.0, stop_token_ids=list(range(3, 40)))
+    forks = SamplingParams(n=3, max_tokens=12, temperature=1.0, seed=7, ignore_eos=True)
+    prompts = make_prompts(5, lengths=(3, 30), seed=21)
+    engines = []
+    for _ in range(2):
+        engine = LLM(llama, block_size=8, num_blocks=24, async_scheduling=async_scheduling).engine
+        for i, p in enumerate(prompts):
+            engine.add_request(p, forks if i % 2 else stops, request_id=f"r{i}", stream=i == 0)
+        engines.append(engine)
+    by_step, by_value = engines
+    carried = {"in_flight": None}
+
+    def by_hand():
+        result = by_value._step(carried["in_flight"])
+        assert by_value.in_flight is None  # nothing was left on the engine
+        carried["in_flight"] = result.in_flight
+        return result.outputs
+
+    assert _run_outputs(by_value, by_hand) == _run_outputs(by_step, by_step.step)
+    assert by_value.block_manager.num_used_blocks == 0
+
+
+def _record_copies_and_forwards(engine) -> list[tuple]:
+    events: list[tuple] = []
+    copy, execute = engine.kv_cache.copy_blocks, engine.runner.execute
+
+    def copy_blocks(pairs):
+        if pairs:
+            events.append(("copy", list(pairs)))
+        return copy(pairs)
+
+    def forward(batch):
+        events.append(("forward",))
+        return execute(batch)
+
+    engine.kv_cache.copy_blocks = copy_blocks
+    engine.runner.execute = forward
+    return events
+
+
+def test_fork_copies_travel_on_the_next_plan_with_overlap(llama):
+    prompt = list(range(10, 22))  # 12 tokens in blocks of 8: the tail block is partial, so forks copy it
+    llm = LLM(llama, block_size=8, async_scheduling=True)
+    engine = llm.engine
+    rid = engine.add_request(prompt, SamplingParams(n=3, max_tokens=6, temperature=0.0, ignore_eos=True))
+    events = _record_copies_and_forwards(engine)
+    outs = []
+    while not (engine.in_flight and engine.in_flight.next and engine.in_flight.next.copies):
+        outs += engine.step()
+    group = engine.groups[rid]
+    leader, followers = group.samples[0], group.samples[1:]
+    carried = engine.in_flight.next.copies
+    # Each follower's copy of the leader's partial tail block; nothing performed them yet.
+    assert carried == [(leader.block_ids[1], f.block_ids[1]) for f in followers]
+    assert all(e[0] == "forward" for e in events)
+    events.clear()
+    outs += engine.step()
+    assert events[:2] == [("copy", carried), ("forward",)]  # the launch that carries them, first
+    while engine.has_unfinished():
+        outs += engine.step()
+    (out,) = [o for o in outs if o.finished]
+    assert [c.token_ids for c in out.outputs] == [hf_greedy(llama, prompt, 6)] * 3
+
+
+def test_fork_copies_of_a_synchronous_step_are_done_before_the_next_forward(llama):
+    prompt = list(range(10, 22))
+    llm = LLM(llama, block_size=8, async_scheduling=False)
+    engine = llm.engine
+    rid = engine.add_request(prompt, SamplingParams(n=3, max_tokens=6, temperature=0.0, ignore_eos=True))
+    events = _record_copies_and_forwards(engine)
+    result = engine._step(None)  # prefill, sample, apply: the followers fork
+    group = engine.groups[rid]
+    leader, followers = group.samples[0], group.samples[1:]
+    assert result.in_flight is None and result.plan.copies == []
+    assert events == [("forward",), ("copy", [(leader.block_ids[1], f.block_ids[1]) for f in followers])]
+
+
+def test_a_partial_prefix_hit_copy_is_carried_by_the_plan_that_admits_it(llama):
+    llm = LLM(llama, block_size=8, async_scheduling=False)
+    engine = llm.engine
+    first = list(range(10, 26))  # two full blocks, published once computed
+    llm.generate([first], SamplingParams(max_tokens=1, temperature=0.0), use_tqdm=False)
+    second = [*first[:12], 90, 91, 92, 93]  # its second block starts with 4 tokens of the first's
+    rid = engine.add_request(second, SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+    events = _record_copies_and_forwards(engine)
+    result = engine._step(None)
+    request = engine.groups[rid].samples[0]
+    ((src, dst),) = result.plan.copies
+    assert dst == request.block_ids[1] and src != dst
+    assert events[:2] == [("copy", [(src, dst)]), ("forward",)]
+    outs = {}
+    while engine.has_unfinished():
+        outs.update({o.request_id: o for o in engine.step()})
+    assert outs[rid].outputs[0].token_ids == hf_greedy(llama, second, 4)

@@ -46,6 +46,7 @@ from cbgen.core.scheduler import Fairness
 from cbgen.core.stats import EngineStats
 from cbgen.engine import Engine
 from cbgen.inputs import as_token_ids
+from cbgen.limits import RequestLimits
 from cbgen.outputs import CompletionOutput, RequestOutput
 from cbgen.sampling_params import SamplingParams
 
@@ -210,11 +211,13 @@ class AsyncEngine:
             raise ValueError(f"stream_buffer must be >= 1 or None, got {stream_buffer!r}")
         self.admission = Admission(max_concurrent_requests, max_inflight_work, client_share)  # under _cond
         self.engine = engine
+        # Everything besides add, step and abort goes through the engine's facade.
+        self.control = engine.control
         self.tokenizer = tokenizer or getattr(llm_or_engine, "tokenizer", None) or engine.tokenizer
         self.max_concurrent_requests = max_concurrent_requests
         self.stream_buffer = stream_buffer
         if fairness is not None:
-            engine.scheduler.fairness = fairness
+            self.control.fairness = fairness
 
         self._cond = threading.Condition()
         self._commands: deque[tuple] = deque()
@@ -243,12 +246,15 @@ class AsyncEngine:
             return list(self.tokenizer.encode(prompt, add_special_tokens=True)), prompt
         return as_token_ids(prompt), None
 
+    @property
+    def request_limits(self) -> RequestLimits:
+        """The engine's limits on one request (context, KV cache); immutable, safe from any thread."""
+        return self.engine.request_limits
+
     def work_of(self, num_prompt_tokens: int, params: SamplingParams) -> int:
-        """Token slots a request holds while in flight: ``n x (prompt + max_tokens)``."""
-        max_tokens = params.max_tokens
-        if max_tokens is None:
-            max_tokens = self.engine.max_model_len - num_prompt_tokens
-        return params.n * (num_prompt_tokens + max_tokens)
+        """Token slots a request holds while in flight: ``n x (prompt + max_tokens)``, with the
+        ``max_tokens`` the engine will run it with (:meth:`RequestLimits.work`)."""
+        return self.request_limits.work(params.n, num_prompt_tokens, params.max_tokens)
 
     def add_request(
         self,
@@ -419,12 +425,12 @@ class AsyncEngine:
                 if self.engine.has_unfinished():
                     if self._stopping:
                         # Paused requests run to their end too, so a shutdown never waits forever.
-                        self.engine.scheduler.paused.clear()
-                    if self.engine.in_flight is not None or self.engine.scheduler.has_runnable_work():
+                        self.control.resume_all()
+                    if self.control.has_runnable_work():
                         return []  # else every request left is paused: wait for a command
                 if self._stopping:
                     return None
-                if self.engine.sync is not None:
+                if self.control.lockstep:
                     # Tensor-parallel root: an idle group still steps now and then, or the other ranks,
                     # waiting in the root's next exchange, would time out.
                     if not self._cond.wait(self.HEARTBEAT_S):
@@ -460,7 +466,7 @@ class AsyncEngine:
             with self._cond:
                 self._accepting = False
                 self._cond.notify_all()
-            if self.engine.sync is not None and self._stopping:
+            if self.control.lockstep and self._stopping:
                 with contextlib.suppress(Exception):  # the followers may be gone already
                     self.engine.stop_followers()
 
@@ -480,12 +486,11 @@ class AsyncEngine:
                 deliveries.append((stream, exc if isinstance(exc, ValueError) else RuntimeError(str(exc))))
                 return
             self._by_rid[stream.request_id] = stream
-            self.engine.scheduler.set_job(stream.request_id, job)
+            self.control.set_job(stream.request_id, job)
         elif kind in ("hold", "release"):
             rid = command[1]
             if rid in self._by_rid and not self._stopping:  # else it ended (and was released) already
-                sched = self.engine.scheduler
-                sched.pause(rid) if kind == "hold" else sched.resume(rid)
+                self.control.pause(rid) if kind == "hold" else self.control.resume(rid)
         else:
             rid = command[1]
             try:
@@ -502,7 +507,7 @@ class AsyncEngine:
             return
         if out.finished:
             del self._by_rid[out.request_id]
-            self.engine.scheduler.release(out.request_id)
+            self.control.release(out.request_id)
             with self._cond:
                 self._forget(stream)
         if not stream.cancelled:
@@ -533,20 +538,19 @@ class AsyncEngine:
                 loop.call_soon_threadsafe(_dispatch, items)
 
     def _snapshot(self) -> None:
-        engine = self.engine
-        bm = engine.block_manager
-        counters = {f.name: getattr(engine.stats, f.name) for f in dataclasses.fields(EngineStats)}
+        counters = {f.name: getattr(self.engine.stats, f.name) for f in dataclasses.fields(EngineStats)}
         counters["times"] = dict(counters["times"])
+        gauges = self.control.snapshot()
         stats = AsyncEngineStats(
             **counters,
-            running=len(engine.scheduler.running),
-            waiting=len(engine.scheduler.waiting),
-            kv_usage=float(bm.usage),
-            num_blocks=int(bm.num_blocks),
-            num_free_blocks=int(bm.num_free_blocks),
-            num_used_blocks=int(bm.num_used_blocks),
+            running=gauges.running,
+            waiting=gauges.waiting,
+            kv_usage=gauges.kv_usage,
+            num_blocks=gauges.num_blocks,
+            num_free_blocks=gauges.num_free_blocks,
+            num_used_blocks=gauges.num_used_blocks,
             step_errors=self._step_errors,
-            streams_paused=len(engine.scheduler.paused),
+            streams_paused=gauges.paused,
         )
         with self._cond:
             self._stats = stats

@@ -1,17 +1,20 @@
 """The engine: add_request / step / abort over the scheduler, the block manager and the model runner.
 
-One step, as data (see docs/design.md):
+One step, as data (see docs/design.md and :mod:`cbgen.step`):
 
-    StepPlan   = schedule() + build()        which tokens of which requests, packed for the model
+    StepPlan   = schedule() + build()        which tokens of which requests, packed for the model,
+                                             and the block copies its launch performs first
     LaunchedStep = launch(plan)              forward over the plan; logits only where a token is sampled
     sample(launched)                         one token per sampling sequence (+ logprobs)
-    apply(launched)                          core.update: append, stop checks, forks, frees, publish
+    apply(launched) -> Applied               core.update: append, stop checks, forks, frees, publish
 
-Synchronously, a step runs those in order.  With overlap scheduling the sampled tokens stay on the
-device and the launched step is handed to the next ``step()`` as a value (``InFlight``): that call
-launches the plan scheduled while the device was busy, feeding it the in-flight tokens on the
-device, then applies the in-flight step on the CPU while the new forward runs.  Nothing else
-carries state from one step to the next.
+``step()`` runs ``_step(in_flight) -> StepResult``: synchronously, those stages in order.  With
+overlap scheduling the sampled tokens stay on the device and the launched step is handed to the next
+``step()`` as a value (``InFlight``): that call launches the plan scheduled while the device was busy,
+feeding it the in-flight tokens on the device, then applies the in-flight step on the CPU while the
+new forward runs.  Nothing else carries state from one step to the next.  Tensor-parallel lockstep is
+not a branch of the step: the engine composes a :class:`~cbgen.distributed.lockstep.StepSync` whose
+hooks decide locally (a rank alone) or with the group's root.
 """
 
 from __future__ import annotations
@@ -20,61 +23,37 @@ import dataclasses
 import logging
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
 
 from cbgen.config import EngineConfig
 from cbgen.core import update as step_update
 from cbgen.core.block_manager import BlockManager
-from cbgen.core.scheduler import Scheduler, SchedulerOutput
+from cbgen.core.scheduler import Scheduler
 from cbgen.core.stats import EngineStats, StepStats
-from cbgen.core.update import SampledTokens
-from cbgen.distributed.lockstep import GroupSync, Lockstep
+from cbgen.distributed.lockstep import step_sync
 from cbgen.distributed.topology import topology_of
+from cbgen.engine_control import EngineControl
 from cbgen.inputs import as_token_ids
-from cbgen.model.backends import select_backend
+from cbgen.limits import RequestLimits
 from cbgen.model.input_batch import InputBuilder, ModelInput
 from cbgen.model.kv_cache import KVCache, KVGeometry, choose_num_blocks
 from cbgen.model.loading.weights import WeightWatcher
+from cbgen.model.plan import ExecutionPlan, resolve_plan
 from cbgen.model.runner import ModelRunner
 from cbgen.output_processor import OutputProcessor
 from cbgen.outputs import RequestOutput
 from cbgen.request import Request, RequestGroup, RequestStatus
 from cbgen.sample.logits_processors import AllowedTokensProcessor, BadWordsProcessor
 from cbgen.sample.prompt_logprobs import record_prompt_logprobs
-from cbgen.sample.sampler import Sampler, SamplerOutput
+from cbgen.sample.sampler import Sampler
 from cbgen.sample.structured import StructuredOutputs
 from cbgen.sampling_params import SamplingParams
+from cbgen.step import Applied, InFlight, LaunchedStep, StepPlan, StepResult, sum_times
 
 logger = logging.getLogger("cbgen")
 
-__all__ = ["Engine", "EngineStats", "InFlight", "LaunchedStep", "StepPlan", "StepStats"]
-
-
-@dataclass
-class StepPlan:
-    """A scheduled step, packed for the model but not launched."""
-
-    sched: SchedulerOutput
-    batch: ModelInput | None  # None when nothing was scheduled
-
-
-@dataclass
-class LaunchedStep:
-    """A step whose forward was launched: its sampling rows' logits until sampled, then the sample."""
-
-    batch: ModelInput
-    crossed: list[Request]  # requests that completed a block (published once their tokens are known)
-    logits: torch.Tensor | None = None
-    sampled: SamplerOutput | None = None
-    host: SampledTokens | None = None  # the sample on the host (tensor parallelism: the root's)
-    # Overlap scheduling: the step scheduled and built while this one's forward ran.
-    next: StepPlan | None = None
-
-
-# A launched and sampled step whose tokens are still on the device (overlap scheduling only).
-InFlight = LaunchedStep
+__all__ = ["Engine", "EngineStats", "InFlight", "LaunchedStep", "StepPlan", "StepResult", "StepStats"]
 
 
 class Engine:
@@ -103,40 +82,48 @@ class Engine:
         self.eos_token_ids = frozenset(self._eos_ids(model, tokenizer))
 
         self._build_device_side(model, config)
+        self.request_limits = RequestLimits(
+            self.max_model_len, self.block_manager.block_size, self.block_manager.num_blocks
+        )
         user_names = {p.name for p in logits_processors}
         builtins = [p for p in (AllowedTokensProcessor(), BadWordsProcessor()) if p.name not in user_names]
         # Tensor parallelism (transformers' own): the group's root decides each step (see lockstep).
         self.topology = topology_of(model)
-        lockstep = Lockstep(self.topology, config.distributed_timeout) if self.topology.tp_size > 1 else None
-        self.sync = GroupSync(lockstep) if lockstep is not None else None
+        self.lockstep = step_sync(self.topology, config.distributed_timeout)
         # Unseeded sampling differs between data-parallel replicas by default, never inside a group.
         seed = config.seed if config.seed is not None else self.topology.replica
         self.structured = StructuredOutputs(tokenizer, self.vocab_size, self.eos_token_ids)
         self.sampler = Sampler(
-            self.vocab_size, [*builtins, *logits_processors], seed=seed, structured=self.structured
+            self.vocab_size,
+            [*builtins, *logits_processors],
+            seed=seed,
+            structured=self.structured,
+            sync_free=self.plan.sampled_rows == "sync_free",
+            greedy_kernel=self.plan.greedy_kernel(),
         )
         self.output_processor = OutputProcessor(tokenizer)
         self.weights = WeightWatcher(model)
         self.groups: dict[str, RequestGroup] = {}
         self.stats: EngineStats = self.block_manager.stats
         self.last_step: StepStats | None = None
-        # Block copies (copy-on-fork, partial prefix hits) the next forward performs first.
-        self._pending_copies: list[tuple[int, int]] = []
         self._counter = 0
         self.async_scheduling = (
             config.async_scheduling if config.async_scheduling is not None else self.device.type == "cuda"
         )
-        if self.sync is not None and self.async_scheduling:
+        if self.lockstep.active and self.async_scheduling:
             if config.async_scheduling:
                 raise ValueError(
                     "async_scheduling is not used with tensor parallelism (ranks exchange each step's tokens)"
                 )
             self.async_scheduling = False
+        # The one value carried from a step to the next (overlap scheduling only).
         self.in_flight: InFlight | None = None
+        self.control = EngineControl(self)
 
     def _build_device_side(self, model: torch.nn.Module, config: EngineConfig) -> None:
         """The KV cache sized for this model and budget, the block manager and scheduler over it,
-        the runner with its attention backend, and the input builder."""
+        the execution plan (resolved once, logged), the runner that follows it, and the input
+        builder."""
         geometry = KVGeometry.from_model(model, self.dtype)
         num_blocks = choose_num_blocks(
             geometry,
@@ -150,31 +137,27 @@ class Engine:
         self.kv_cache = KVCache(geometry, num_blocks, config.block_size, self.device)
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_batched_tokens, config.max_num_seqs)
+        plan = resolve_plan(model, config, self.device, self.dtype, head_dim=geometry.head_dim)
+        logger.info("cbgen: execution plan: %s", plan)
         self.runner = ModelRunner(
             model,
             self.kv_cache,
-            self.device,
-            backend=select_backend(
-                config.attention_backend,
-                self.device,
-                self.dtype,
-                block_size=config.block_size,
-                head_dim=geometry.head_dim,
-            ),
+            plan,
             max_num_seqs=config.max_num_seqs,
             max_model_len=self.max_model_len,
-            decode_mode=config.decode_mode,
-            compile=config.compile,
             cuda_graph_max_batch=config.cuda_graph_max_batch,
-            fused_decode=config.fused_decode,
-            prepack_weights=config.prepack_weights,
         )
         self.runner.warmup()
         # Short prefill chunks as decode-kernel rows: measured on the C kernels only (see input_batch).
-        row_prefill = self.runner.attn_backend.row_prefill_max
         self.input_builder = InputBuilder(
-            config.block_size, self.device, row_prefill_max=row_prefill, num_blocks=num_blocks
+            config.block_size, self.device, row_prefill_max=plan.row_prefill_max, num_blocks=num_blocks
         )
+
+    @property
+    def plan(self) -> ExecutionPlan:
+        """The execution plan in force: resolved at start, re-resolved by the runner when the
+        model's structure changes (see :mod:`cbgen.model.plan`)."""
+        return self.runner.plan
 
     @staticmethod
     def _eos_ids(model, tokenizer) -> set[int]:
@@ -206,18 +189,7 @@ class Engine:
         bad = next((t for t in prompt_token_ids if type(t) is not int or not 0 <= t < self.vocab_size), None)
         if bad is not None:
             raise ValueError(f"prompt token id {bad!r} is outside the vocabulary [0, {self.vocab_size})")
-        if len(prompt_token_ids) >= self.max_model_len:
-            raise ValueError(
-                f"prompt has {len(prompt_token_ids)} tokens, longer than the model's context of "
-                f"{self.max_model_len} tokens (at least one token must be generated)"
-            )
-        # The prompt's K/V must fit; the first sampled token's is only needed if a second follows.
-        need = self.block_manager.blocks_needed(len(prompt_token_ids))
-        if need > self.block_manager.num_blocks:
-            raise ValueError(
-                f"prompt needs {need} KV blocks but the cache has only {self.block_manager.num_blocks}; "
-                "raise num_blocks or kv_cache_memory"
-            )
+        self.request_limits.check_prompt(len(prompt_token_ids))
         params.verify_for_model(self.vocab_size, self.config.max_logprobs)
         if params.stop and self.tokenizer is None:
             raise ValueError(
@@ -244,14 +216,11 @@ class Engine:
         prompt_token_ids = as_token_ids(prompt_token_ids)
         self.validate(prompt_token_ids, params)
         request_id = request_id or self.new_request_id()
-        if request_id in self.groups or (self.sync is not None and request_id in self.sync.expected):
+        if request_id in self.groups or self.lockstep.reserves(request_id):
             raise ValueError(f"request id {request_id!r} is already in use")
-        if self.sync is not None and not self.sync.on_add(
-            request_id, prompt_token_ids, params, prompt, stream
-        ):
-            return request_id  # a follower queues it when the root's copy arrives
-        self._queue(request_id, prompt_token_ids, params, prompt, stream)
-        return request_id
+        if self.lockstep.on_add(request_id, prompt_token_ids, params, prompt, stream):
+            self._queue(request_id, prompt_token_ids, params, prompt, stream)
+        return request_id  # else a follower queues it when the root's copy arrives
 
     def _queue(
         self,
@@ -261,8 +230,9 @@ class Engine:
         prompt: str | None,
         stream: bool,
     ) -> None:
-        if params.max_tokens is None or params.max_tokens > self.max_model_len - len(prompt_token_ids):
-            params = _with_max_tokens(params, self.max_model_len - len(prompt_token_ids))
+        max_tokens = self.request_limits.max_tokens_of(len(prompt_token_ids), params.max_tokens)
+        if max_tokens != params.max_tokens:
+            params = _with_max_tokens(params, max_tokens)
         eos = frozenset() if params.ignore_eos else self.eos_token_ids
         group = RequestGroup.create(
             request_id, prompt_token_ids, params, eos, prompt, stream, weight_version=self.weights.version
@@ -279,7 +249,7 @@ class Engine:
         None if the id is unknown.  A sample id (``"<request id>#<i>"``, n>1) aborts that sample
         only; the group's output then comes when the group ends (returned here if that is now).
         With tensor parallelism only the root's aborts count (they reach the others next step)."""
-        if self.sync is not None and not self.sync.on_abort(request_id):
+        if not self.lockstep.on_abort(request_id):
             return None
         return self._abort_local(request_id)
 
@@ -317,7 +287,7 @@ class Engine:
 
     def has_unfinished(self) -> bool:
         """True while any request is queued or running (or its last tokens are not read back)."""
-        return bool(self.groups) or (self.sync is not None and bool(self.sync.expected))
+        return bool(self.groups) or self.lockstep.has_pending()
 
     @property
     def num_unfinished(self) -> int:
@@ -328,20 +298,20 @@ class Engine:
     def check_weights(self) -> list[RequestOutput]:
         """Applies the weight-change policy now if the weights changed since the last step; returns
         outputs of requests that ended meanwhile (their in-flight tokens are applied first)."""
-        if self.sync is not None:
-            return []  # the root's next step decides for the whole group
-        touched: dict[str, RequestGroup] = {}
-        self._check_weights(touched)
-        return self._outputs(touched)
+        if self.lockstep.active or not self.weights.changed():
+            return []  # tensor parallelism: the root's next step decides for the whole group
+        last, self.in_flight = self.in_flight, None
+        return self._outputs(self._weights_changed(last))
 
-    def _check_weights(self, touched: dict[str, RequestGroup], changed: bool | None = None) -> None:
-        if not (self.weights.changed() if changed is None else changed):
-            return
+    def _weights_changed(self, last: InFlight | None) -> list[RequestGroup]:
+        """The weight-change policy; returns the groups that moved.  ``last`` (still in flight) is
+        applied first and the step planned after it dropped."""
         # Tokens still on the device were sampled under the old weights: apply them first, then the
         # policy below treats them like the others.  The step planned after them was built for the
         # old state and is dropped: the policy reschedules everything.
-        self._apply(self.in_flight, touched)
-        self.in_flight = None
+        applied = self._apply(last)
+        dropped = last.next.copies if last is not None and last.next is not None else []
+        self.kv_cache.copy_blocks([*dropped, *applied.copies])  # no plan is left to carry them
         self.stats.weight_changes += 1
         self.runner.weights_changed()
         self.reset_prefix_cache()
@@ -369,6 +339,7 @@ class Engine:
         for request in reversed(requeue):  # at the front of the queue, in their original order
             self.scheduler.requeue(request)
         self.scheduler.remove_finished()
+        return applied.touched
 
     def _restart_group(self, group: RequestGroup) -> list[Request]:
         samples = step_update.restart_group(self.scheduler, group)
@@ -380,13 +351,12 @@ class Engine:
     def follow(self) -> None:
         """The loop of a non-root rank that serves behind its tensor-parallel root (``cbgen serve``):
         runs the steps the root runs until the root calls :meth:`stop_followers`."""
-        while self.sync is not None and not self.sync.stopped:
+        while self.lockstep.following:
             self.step()
 
     def stop_followers(self) -> None:
         """Root: one last exchange that ends the other ranks' :meth:`follow` loops."""
-        if self.sync is not None and self.sync.is_root:
-            self.sync.ingress.stop = True
+        if self.lockstep.request_stop():
             self.step()
 
     def reset_prefix_cache(self) -> None:
@@ -400,95 +370,97 @@ class Engine:
         stop checks lag one step: a token sampled for a request that already stopped is dropped."""
         if not self.kv_cache.allocated:
             raise RuntimeError("the KV cache was released: call resume_memory() before generating again")
-        touched: dict[str, RequestGroup] = {}
-        times: dict[str, float] = {}
-        changed = None
-        if self.sync is not None:  # tensor parallelism: the root's adds, aborts and weight decision
-            changed = self.sync.exchange(self.weights.changed, self._queue, self._abort_local)
-        self._check_weights(touched, changed)
-        last, self.in_flight = self.in_flight, None
-        plan = self._plan(last, touched, times)
-        launched = self._launch(plan.batch, last, times) if plan.batch is not None else None
-        # While the device runs this step's forward, the CPU applies the previous step's tokens.
-        self._apply(last, touched, times)
-        if launched is not None:
-            if not launched.batch.sample_requests:
-                step_update.publish(self.scheduler, launched.crossed)
-            elif self.async_scheduling:
-                self.in_flight = self._sample_ahead(launched, touched, times)
-            else:
-                self._apply(self._sample(launched, times), touched, times)
-        self.scheduler.remove_finished()
-        self._account(plan, times)
-        outputs = self._outputs(touched)
-        if self.sync is not None and self.sync.abort_outputs:
-            outputs, self.sync.abort_outputs = self.sync.abort_outputs + outputs, []
-        if not self.groups:
-            self.in_flight = None  # only ended requests are left in it: hold nothing between rounds
-        return outputs
+        last, self.in_flight = self.in_flight, None  # a step that raises leaves nothing in flight
+        result = self._step(last)
+        self.in_flight = result.in_flight
+        self._account(result)
+        return result.outputs
 
-    def _plan(self, last: InFlight | None, touched: dict, times: dict[str, float]) -> StepPlan:
-        """The step planned while ``last`` computed, unless every request in it has ended since."""
+    def _step(self, last: InFlight | None) -> StepResult:
+        """One step after ``last``, the step still in flight (None when synchronous)."""
+        changed, outputs = self.lockstep.begin_step(self.weights.changed, self._queue, self._abort_local)
+        touched = self._weights_changed(last) if changed else []
+        last = None if changed else last
+        plan = self._plan(last)
+        # What this call scheduled and applied, in order (their times and the groups they touched).
+        stages: list[StepPlan | Applied] = [] if last is not None and plan is last.next else [plan]
+        launched = self._launch(plan, last) if plan.batch is not None else None
+        # While the device runs this step's forward, the CPU applies the previous step's tokens.
+        stages.append(self._apply(last))
+        in_flight = None
+        if launched is not None and not launched.batch.sample_requests:
+            step_update.publish(self.scheduler, launched.crossed)
+        elif launched is not None and self.async_scheduling:
+            # The plan scheduled meanwhile carries the fork copies: its launch performs them.
+            in_flight = self._sample_ahead(launched, stages[-1].copies)
+            stages[-1].copies = []
+            stages.append(in_flight.next)
+        elif launched is not None:
+            stages.append(self._apply(self._sample(launched)))
+        # Fork copies no plan carries: performed now, so any later forward finds them done.
+        self.kv_cache.copy_blocks([pair for s in stages if isinstance(s, Applied) for pair in s.copies])
+        self.scheduler.remove_finished()
+        outputs += self._outputs(touched + [g for s in stages for g in s.touched])
+        times = sum_times(*(s.times for s in stages), launched.times if launched is not None else {})
+        # With no request left, only ended requests are in flight: hold nothing between rounds.
+        return StepResult(outputs, in_flight if self.groups else None, plan, times)
+
+    def _plan(self, last: InFlight | None) -> StepPlan:
+        """The step planned while ``last`` computed, unless every request in it has ended since (its
+        block copies then go with the plan that replaces it)."""
         nxt = last.next if last is not None else None
         if nxt is not None and any(not r.is_finished for r, _ in nxt.sched.scheduled):
             return nxt
-        return self._schedule(touched, times)
+        return self._schedule(nxt.copies if nxt is not None else [])
 
-    def _schedule(self, touched: dict[str, RequestGroup], times: dict[str, float]) -> StepPlan:
+    def _schedule(self, copies: list[tuple[int, int]]) -> StepPlan:
+        """Schedules and builds a step; it carries ``copies`` (fork copies of steps applied before it)
+        and its own partial prefix hits.  Requests that can never be scheduled end here."""
         t0 = time.perf_counter()
         self.scheduler.remove_finished()
         sched = self.scheduler.schedule()
-        self._pending_copies += sched.copies  # partial prefix hits: filled before the next forward
         for request in sched.failed:
             ended = step_update.finish(self.scheduler, request, RequestStatus.FINISHED_ERROR, request.error)
             self._count_ended(ended)
-            touched[request.group_id] = self.groups[request.group_id]
+        failed = [self.groups[r.group_id] for r in sched.failed]
         t1 = time.perf_counter()
-        if self.sync is not None:
-            self.sync.check_schedule(sched.scheduled)
+        self.lockstep.check_schedule(sched.scheduled)
         batch = self.input_builder.build(sched.scheduled, self.kv_cache.layers) if sched.scheduled else None
-        times["schedule"] = times.get("schedule", 0.0) + t1 - t0
-        times["build"] = times.get("build", 0.0) + time.perf_counter() - t1
-        return StepPlan(sched, batch)
+        times = {"schedule": t1 - t0, "build": time.perf_counter() - t1}
+        return StepPlan(sched, batch, [*copies, *sched.copies], times, failed)
 
-    def _launch(self, batch: ModelInput, last: InFlight | None, times: dict[str, float]) -> LaunchedStep:
+    def _launch(self, plan: StepPlan, last: InFlight | None) -> LaunchedStep:
         """Runs the forward (on CUDA: enqueues it) and counts the scheduled tokens as computed."""
         t = time.perf_counter()
+        batch = plan.batch
         if batch.pending_rows:
             self._patch_pending_inputs(batch, last)
-        if self._pending_copies:
-            self.kv_cache.copy_blocks(self._pending_copies)
-            self._pending_copies = []
+        self.kv_cache.copy_blocks(plan.copies)
         logits = self.runner.execute(batch)
         crossed = step_update.advance(batch.scheduled, self.block_manager.block_size)
         if batch.prompt_rows:
             record_prompt_logprobs(batch.prompt_rows, logits[: batch.num_prompt_rows])
-        times["forward"] = time.perf_counter() - t
-        return LaunchedStep(batch, crossed, logits[batch.num_prompt_rows :])
+        times = {"forward": time.perf_counter() - t}
+        return LaunchedStep(batch, crossed, logits[batch.num_prompt_rows :], times=times)
 
-    def _sample(self, launched: LaunchedStep, times: dict[str, float]) -> LaunchedStep:
+    def _sample(self, launched: LaunchedStep) -> LaunchedStep:
         t = time.perf_counter()
-        try:
-            if self.sync is None or self.sync.is_root:
-                launched.sampled = self.sampler(launched.logits, launched.batch.sample_requests)
-            if self.sync is not None:
-                # Every rank applies the root's tokens: one draw, whatever the ranks' logits' last bits.
-                launched.host = self.sync.share_sample(
-                    launched.sampled.to_host() if self.sync.is_root else None
-                )
-        finally:
-            times["sample"] = time.perf_counter() - t
+        launched.sampled, launched.host = self.lockstep.sample(
+            lambda: self.sampler(launched.logits, launched.batch.sample_requests)
+        )
         launched.logits = None
+        launched.times["sample"] = time.perf_counter() - t
         return launched
 
-    def _sample_ahead(self, launched: LaunchedStep, touched: dict, times: dict[str, float]) -> InFlight:
+    def _sample_ahead(self, launched: LaunchedStep, copies: list[tuple[int, int]]) -> InFlight:
         """Overlap scheduling: mark this step's tokens pending, schedule and build the next step
-        around them, then sample this one (the device has been busy with its forward all along)."""
+        around them (it carries ``copies``), then sample this one (the device has been busy with its
+        forward all along)."""
         for r in launched.batch.sample_requests:
             if r.status is RequestStatus.RUNNING:
                 r.pending = True
-        launched.next = self._schedule(touched, times)
-        return self._sample(launched, times)
+        launched.next = self._schedule(copies)
+        return self._sample(launched)
 
     def _patch_pending_inputs(self, batch: ModelInput, last: InFlight | None) -> None:
         """Feeds the previous step's device-side tokens to the rows built around them.
@@ -506,12 +478,10 @@ class Engine:
             dev
         )
 
-    def _apply(
-        self, launched: LaunchedStep | None, touched: dict, times: dict[str, float] | None = None
-    ) -> None:
+    def _apply(self, launched: LaunchedStep | None) -> Applied:
         """Reads a sampled step's tokens back and applies the update rules of :mod:`cbgen.core.update`."""
         if launched is None:
-            return
+            return Applied()
         t = time.perf_counter()
         update = step_update.apply_sampled(
             self.scheduler,
@@ -521,14 +491,10 @@ class Engine:
             max_model_len=self.max_model_len,
             stop_string=self.output_processor.check_stop_strings,
         )
-        self._pending_copies += update.copies
         self.stats.generated_tokens += update.num_generated
         self._count_ended(update.ended)
-        groups = self.groups
-        for r in update.touched:
-            touched[r.group_id] = groups[r.group_id]
-        if times is not None:
-            times["update"] = times.get("update", 0.0) + time.perf_counter() - t
+        touched = [self.groups[r.group_id] for r in update.touched]
+        return Applied(touched, update.copies, {"update": time.perf_counter() - t})
 
     def _count_ended(self, ended: list[Request]) -> None:
         s = self.stats
@@ -541,9 +507,11 @@ class Engine:
             else:
                 s.requests_finished += 1
 
-    def _outputs(self, touched: dict[str, RequestGroup]) -> list[RequestOutput]:
-        """Final outputs of groups that ended, and deltas of streamed groups that moved."""
-        return [self._group_output(g) for g in touched.values() if g.stream or g.all_finished()]
+    def _outputs(self, touched: list[RequestGroup]) -> list[RequestOutput]:
+        """Final outputs of groups that ended, and deltas of streamed groups that moved (each once,
+        in the order they were first touched)."""
+        groups = {g.request_id: g for g in touched}
+        return [self._group_output(g) for g in groups.values() if g.stream or g.all_finished()]
 
     def _group_output(self, group: RequestGroup) -> RequestOutput:
         out = self.output_processor.make_output(group, delta=group.stream)
@@ -551,12 +519,12 @@ class Engine:
             self.groups.pop(group.request_id, None)
         return out
 
-    def _account(self, plan: StepPlan, times: dict[str, float]) -> None:
+    def _account(self, result: StepResult) -> None:
         s = self.stats
-        sched, batch = plan.sched, plan.batch
+        sched, batch = result.plan.sched, result.plan.batch
         s.steps += 1
         s.batched_seqs += len(sched.scheduled)
-        for key, value in times.items():
+        for key, value in result.times.items():
             s.times[key] = s.times.get(key, 0.0) + value
         nd = batch.meta.num_decode if batch is not None else 0
         self.last_step = StepStats(
@@ -570,7 +538,7 @@ class Engine:
             running=len(self.scheduler.running),
             waiting=len(self.scheduler.waiting),
             kv_usage=self.block_manager.usage,
-            times=times,
+            times=result.times,
         )
 
     # ------------------------------------------------------------------ memory

@@ -15,6 +15,11 @@ Followers in an SPMD program (every rank calls ``LLM.generate`` with the same pr
 their requests locally: the engine checks them against the root's instead of queueing them.  A rank
 that dies or stops answering makes the others' next exchange time out (``timeout_s``) with an error
 that says so, rather than hang.
+
+The engine does not branch on any of this: it composes a :class:`StepSync`, the hooks it calls where
+a group must decide as one (an add, an abort, the start of a step, the schedule, the sample).  A
+rank alone gets :class:`Solo`, whose hooks decide locally; a tensor-parallel rank gets
+:class:`GroupSync`.
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ import zlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -93,12 +98,126 @@ class Lockstep:
             self.group = None
 
 
+class StepSync(Protocol):
+    """The hooks an engine step calls where a tensor-parallel group must decide as one."""
+
+    @property
+    def active(self) -> bool:
+        """Whether this rank steps in lockstep with others (tensor parallelism)."""
+        ...
+
+    @property
+    def is_root(self) -> bool:
+        """Whether this rank's decisions count (always, for a rank alone)."""
+        ...
+
+    @property
+    def following(self) -> bool:
+        """Whether :meth:`cbgen.engine.Engine.follow` should run another step."""
+        ...
+
+    def reserves(self, request_id: str) -> bool:
+        """Whether ``request_id`` is taken by an add not queued yet (it waits for the root's copy)."""
+        ...
+
+    def has_pending(self) -> bool:
+        """Whether adds are waiting for the root's copy (the engine is not idle yet)."""
+        ...
+
+    def on_add(
+        self, request_id: str, prompt_token_ids: list[int], params: Any, prompt: Any, stream: bool
+    ) -> bool:
+        """Records an add; True when the engine queues it now."""
+        ...
+
+    def on_abort(self, request_id: str) -> bool:
+        """Records an abort; True when the engine aborts now."""
+        ...
+
+    def begin_step(
+        self,
+        weights_changed: Callable[[], bool],
+        queue: Callable[..., None],
+        abort: Callable[[str], Any],
+    ) -> tuple[bool, list]:
+        """Before a step: whether the weights changed (the group's decision), and outputs the step
+        returns ahead of its own (of aborts made here)."""
+        ...
+
+    def check_schedule(self, scheduled: list) -> None:
+        """Raises if this rank scheduled differently from the group."""
+        ...
+
+    def sample(self, draw: Callable[[], Any]) -> tuple[Any, Any]:
+        """The step's sample: ``(draw()'s output or None, the host tokens every rank applies or None)``."""
+        ...
+
+    def request_stop(self) -> bool:
+        """Root: ends the followers' loops with the next step; False where there is nothing to stop."""
+        ...
+
+
+class Solo:
+    """:class:`StepSync` of a rank alone: every decision is its own, nothing is exchanged."""
+
+    active = False
+    is_root = True
+    following = False
+
+    def reserves(self, request_id: str) -> bool:
+        """Nothing waits for a root."""
+        return False
+
+    def has_pending(self) -> bool:
+        """Nothing waits for a root."""
+        return False
+
+    def on_add(
+        self, request_id: str, prompt_token_ids: list[int], params: Any, prompt: Any, stream: bool
+    ) -> bool:
+        """Queued at once."""
+        return True
+
+    def on_abort(self, request_id: str) -> bool:
+        """Aborted at once."""
+        return True
+
+    def begin_step(
+        self,
+        weights_changed: Callable[[], bool],
+        queue: Callable[..., None],
+        abort: Callable[[str], Any],
+    ) -> tuple[bool, list]:
+        """This rank's own weight check; no outputs ahead."""
+        return weights_changed(), []
+
+    def check_schedule(self, scheduled: list) -> None:
+        """No group to agree with."""
+
+    def sample(self, draw: Callable[[], Any]) -> tuple[Any, Any]:
+        """This rank's own draw, read back by the engine when it applies it."""
+        return draw(), None
+
+    def request_stop(self) -> bool:
+        """No followers."""
+        return False
+
+
+def step_sync(topology: Topology, timeout_s: float) -> StepSync:
+    """The :class:`StepSync` of a rank: :class:`GroupSync` in a tensor-parallel group, else :class:`Solo`."""
+    if topology.tp_size > 1:
+        return GroupSync(Lockstep(topology, timeout_s))
+    return Solo()
+
+
 class GroupSync:
     """The engine's side of the lockstep: what its rank records between steps, and the exchanges.
 
     The root records its adds and aborts (they go out with the next step); a follower records its
     own adds only to check them against the root's (an SPMD program adds the same requests), and
     never queues anything the root did not send."""
+
+    active = True
 
     def __init__(self, lockstep: Lockstep) -> None:
         self.lockstep = lockstep
@@ -111,6 +230,19 @@ class GroupSync:
     def is_root(self) -> bool:
         """Whether this rank decides for the group."""
         return self.lockstep.is_root
+
+    @property
+    def following(self) -> bool:
+        """Until the root says stop (the root itself never stops following)."""
+        return not self.stopped
+
+    def reserves(self, request_id: str) -> bool:
+        """Follower: a local add waits for the root's copy under this id."""
+        return request_id in self.expected
+
+    def has_pending(self) -> bool:
+        """Follower: local adds the root has not sent yet."""
+        return bool(self.expected)
 
     def on_add(
         self, request_id: str, prompt_token_ids: list[int], params: Any, prompt: Any, stream: bool
@@ -164,6 +296,18 @@ class GroupSync:
         weights_changed()  # keep this rank's fingerprint current; the root's decision counts
         return ingress.weights_changed
 
+    def begin_step(
+        self,
+        weights_changed: Callable[[], bool],
+        queue: Callable[..., None],
+        abort: Callable[[str], Any],
+    ) -> tuple[bool, list]:
+        """:meth:`exchange`, and the outputs of the root's aborts this rank just carried out (a
+        follower returns them from this step, as the root's ``abort()`` returned them)."""
+        changed = self.exchange(weights_changed, queue, abort)
+        outputs, self.abort_outputs = self.abort_outputs, []
+        return changed, outputs
+
     def check_schedule(self, scheduled: list) -> None:
         """Before any collective of the forward: ranks that would run different steps stop here."""
         digest = schedule_digest(scheduled)
@@ -172,3 +316,16 @@ class GroupSync:
     def share_sample(self, host: Any) -> Any:
         """The root's sampled tokens (``host``, on the root) on every rank: one draw for the group."""
         return self.lockstep.share(host if self.is_root else None)
+
+    def sample(self, draw: Callable[[], Any]) -> tuple[Any, Any]:
+        """Only the root draws; every rank applies the root's tokens, whatever the last bits of the
+        ranks' logits."""
+        sampled = draw() if self.is_root else None
+        return sampled, self.share_sample(sampled.to_host() if sampled is not None else None)
+
+    def request_stop(self) -> bool:
+        """Root: the next exchange tells the followers to stop."""
+        if not self.is_root:
+            return False
+        self.ingress.stop = True
+        return True

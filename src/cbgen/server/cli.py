@@ -195,17 +195,17 @@ def _load(args: argparse.Namespace) -> tuple[Any, AsyncEngine]:
         tensor_parallel_size=args.tensor_parallel_size,
         **engine_kwargs,
     )
-    if llm.engine.sync is not None and not llm.engine.sync.is_root:
+    control = llm.engine.control
+    if control.is_follower:
         # The other ranks of a tensor-parallel group serve nothing: they run the root's steps.
         llm.engine.follow()
         raise SystemExit(0)
-    max_model_len = int(llm.engine.max_model_len)
-    request_work = args.max_request_work or args.max_n * max_model_len
+    request_work = args.max_request_work or llm.engine.request_limits.max_work(args.max_n)
     args.max_request_work = request_work
     fairness = None
     # Under tensor parallelism every rank must schedule alike, and fair scheduling and stream pauses
     # are decisions only the root's front end sees: first come, first served there.
-    lockstep = llm.engine.sync is not None
+    lockstep = control.lockstep
     if args.scheduling == "fair" and not lockstep:
         fairness = Fairness(quantum=args.fair_quantum, old_share=args.fair_old_share)
     engine = AsyncEngine.from_llm(

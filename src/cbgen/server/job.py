@@ -263,17 +263,3 @@ async def respond(job: GenerationJob, request: Request, stream: bool) -> Respons
     if job.completion_tokens > _OFFLOAD_TOKENS:
         return Response(await job.state.off_loop(job.final_json), media_type="application/json")
     return JSONResponse(job.final_body())
-
-
-async def run_plan(state: ServerState, plan: GenerationPlan, request: Request, arrival: float) -> Response:
-    """Submits the plan's prompts to the engine (as ``request``'s client) and answers with what they
-    generate."""
-    base_id = ("chatcmpl-" if plan.chat else "cmpl-") + uuid.uuid4().hex
-    client = request.client.host if request.client is not None else None
-    streams = state.submit(plan.prompts, plan.params, base_id, client)
-    job_class = GenerationJob
-    if plan.tools is not None and plan.tools.parse:  # tool calls in the output (cbgen.server.tool_job)
-        from cbgen.server.tool_job import ToolCallJob
-
-        job_class = ToolCallJob
-    return await respond(job_class(state, plan, streams, arrival), request, plan.stream)

@@ -41,7 +41,7 @@ def _prefix_over_limit(state: ServerState, text: str, literal: bool, what: str) 
 def prompt_limit(state: ServerState) -> int:
     """The longest prompt accepted, in tokens (``--max-prompt-tokens``, default: context - 1)."""
     limit = state.limits.max_prompt_tokens
-    return state.max_model_len - 1 if limit is None else limit
+    return state.request_limits.max_prompt_tokens if limit is None else limit
 
 
 def check_prompt(state: ServerState, ids: list[int]) -> None:

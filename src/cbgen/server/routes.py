@@ -15,7 +15,7 @@ from starlette.responses import JSONResponse, Response
 from cbgen.async_engine import AsyncEngine
 from cbgen.server.auth import APIKeyMiddleware
 from cbgen.server.errors import ALLOWED_METHODS, install_error_handlers
-from cbgen.server.job import run_plan
+from cbgen.server.generation import run_plan
 from cbgen.server.metrics import CONTENT_TYPE
 from cbgen.server.state import OFFLOAD_BYTES, ServerLimits, ServerState
 from cbgen.server.translate import GenerationPlan, plan_request, read_body

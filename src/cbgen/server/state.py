@@ -74,12 +74,12 @@ class ServerState:
         self.metrics = ServerMetrics(engine, served_model_name)
         self.created = int(time.time())
         core = engine.engine
-        self.max_model_len = int(core.max_model_len)
+        # The engine's own rules for one request (context, KV fit, default length, work).
+        self.request_limits = engine.request_limits
+        self.max_model_len = self.request_limits.max_model_len
         self.vocab_size = int(core.vocab_size)
-        self.block_size = int(core.block_manager.block_size)
-        self.num_blocks = int(core.block_manager.num_blocks)
         self.max_logprobs = min(limits.max_logprobs, int(core.config.max_logprobs))
-        self.max_request_work = limits.max_request_work or limits.max_n * self.max_model_len
+        self.max_request_work = limits.max_request_work or self.request_limits.max_work(limits.max_n)
         self.special_tokens = _special_tokens(tokenizer)
         self.max_token_chars = _max_token_chars(tokenizer)
         self._token_text: dict[int, str] = {}

@@ -15,6 +15,7 @@ from typing import Any
 from pydantic import ValidationError
 from starlette.requests import Request
 
+from cbgen.limits import request_work
 from cbgen.sampling_params import SamplingParams
 from cbgen.server.errors import APIError, bad_request, sampling_param_of, validation_error
 from cbgen.server.json_child import loads_here
@@ -149,32 +150,29 @@ def check_stream_options(req: SamplingFields) -> bool:
 def resolve_max_tokens(
     state: ServerState, requested: int | None, default: int | None, prompt_len: int, param: str
 ) -> int:
-    """The ``max_tokens`` to run with; a requested value that cannot fit is a 400, never clamped."""
-    room = state.max_model_len - prompt_len
+    """The ``max_tokens`` to run with (:meth:`RequestLimits.default_max_tokens` when the request
+    names none, within ``default`` and the server's cap); a requested value that cannot fit is a
+    400, never clamped."""
+    lim = state.request_limits
     cap = state.limits.max_tokens_limit
     if requested is None:
-        # An unspecified length must never turn into an error, so it also stays within the KV cache.
-        kv_room = state.num_blocks * state.block_size - prompt_len
-        value = min(room, kv_room) if default is None else min(default, room, kv_room)
-        if cap is not None:
-            value = min(value, cap)
-        value = max(value, 1)
+        value = lim.default_max_tokens(prompt_len, default, cap)
     else:
         if requested < 1:
             raise bad_request(f"{param} must be at least 1, got {requested}", param=param)
         if cap is not None and requested > cap:
             raise bad_request(f"{param}={requested} exceeds the server limit of {cap}", param=param)
-        if requested > room:
+        if requested > lim.context_room(prompt_len):
             raise bad_request(
                 f"this model's context is {state.max_model_len} tokens; the prompt has {prompt_len} and "
                 f"{param}={requested} would exceed it",
                 param=param,
             )
         value = requested
-    need = -(-(prompt_len + value) // state.block_size)
-    if need > state.num_blocks:
+    if not lim.fits_kv(prompt_len + value):
         raise bad_request(
-            f"prompt + {param} need {need} KV-cache blocks but the server has {state.num_blocks}; "
+            f"prompt + {param} need {lim.blocks_for(prompt_len + value)} KV-cache blocks but the server "
+            f"has {lim.num_blocks}; "
             f"lower {param} or shorten the prompt",
             param=param,
         )
@@ -272,7 +270,7 @@ def plan_completion(state: ServerState, req: CompletionRequest) -> GenerationPla
     lengths = [len(p) if isinstance(p, list) else 1 for p in items]
     exact = req.max_tokens is not None and all(isinstance(p, list) for p in items)
     least = max(1, req.max_tokens or 1)
-    check_work(state, req.n * sum(n + least for n in lengths), req.n * len(items), exact)
+    check_work(state, sum(request_work(req.n, n, least) for n in lengths), req.n * len(items), exact)
     prompts = completion_prompts(state, req)
     params = [
         sampling_params(
@@ -337,7 +335,7 @@ def check_size(state: ServerState, plan: GenerationPlan) -> None:
     """400 if the plan's work exceeds the per-request limit, or its non-streamed response could
     exceed ``max_response_bytes`` (refused before anything is generated)."""
     pairs = list(zip(plan.prompts, plan.params))
-    check_work(state, sum(p.n * (len(ids) + p.max_tokens) for ids, p in pairs), plan.n * len(pairs))
+    check_work(state, sum(request_work(p.n, len(ids), p.max_tokens) for ids, p in pairs), plan.n * len(pairs))
     if plan.stream:
         return
     size = 0
