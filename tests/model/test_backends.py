@@ -87,3 +87,37 @@ def test_prefill_chunk_after_context_equals_the_masked_attention(dtype, ctx_len,
     assert out.dtype == dtype and out.shape == q.shape
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(out.float(), ref, atol=tol, rtol=tol)
+
+
+def test_prefill_chunk_after_context_groups_heads_without_copies(monkeypatch) -> None:
+    """The CPU flash op gets the context's kv heads as they are (no copy per query head); a torch
+    whose op refuses grouped heads gets the copies, and the same result."""
+    real = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    calls = []
+
+    def strict(query, key, value, *args, **kwargs):
+        calls.append(key.shape[1])
+        if key.shape[1] != query.shape[1]:
+            raise RuntimeError("expected key heads to match query heads")
+        return real(query, key, value, *args, **kwargs)
+
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 6, 9, 16, generator=gen)
+    k, v = (torch.randn(1, 2, 40, 16, generator=gen) for _ in range(2))
+    monkeypatch.setattr(
+        torch.ops.aten,
+        "_scaled_dot_product_flash_attention_for_cpu",
+        lambda query, key, *a, **kw: calls.append(key.shape[1]) or real(query, key, *a, **kw),
+    )
+    native = paged_ops.attend_after_context(q, k, v, 31, 0.25)
+    assert calls == [2, 2]  # this torch's op groups the heads itself: no copies
+    calls.clear()
+    monkeypatch.setattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", strict)
+    out = paged_ops.attend_after_context(q, k, v, 31, 0.25)
+    assert calls == [2, 6, 6]  # refused once, then the copies
+    torch.testing.assert_close(out, native, atol=1e-6, rtol=1e-6)
+    visible = torch.arange(40)[None, :] <= torch.arange(31, 40)[:, None]
+    ref = torch.nn.functional.scaled_dot_product_attention(
+        q, k, v, attn_mask=visible, scale=0.25, enable_gqa=True
+    )
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)

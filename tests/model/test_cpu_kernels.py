@@ -7,7 +7,7 @@ import torch
 from paged_cases import LENS, NUM_BLOCKS, check_decode, make_case
 
 from cbgen import LLM, SamplingParams
-from cbgen.model.backends import choose_backend
+from cbgen.model.backends import choose_backend, select_backend
 from cbgen.model.kernels.cpu import amx as cpu_amx
 from cbgen.model.kernels.cpu import ops as cpu_kernels
 from cbgen.model.kernels.reference import paged_ops
@@ -90,11 +90,16 @@ def test_decode_bf16_pairs_on_avx512_bf16(head_dim: int) -> None:
         _check_decode(lens, 8, 2, head_dim, 16, torch.bfloat16, seed=head_dim)
 
 
-def test_decode_float16_falls_back_to_reference() -> None:
+def test_decode_float16_takes_the_reference_through_the_plan() -> None:
+    """float16 is not the C kernel's: the backend choice gives it the torch reference (whose decode
+    is the reference's, bit for bit), and the C entry point refuses it instead of rerouting it."""
     query, k_cache, v_cache, _, clean, seq_lens = make_case(5, [3, 9], 4, 2, 16, 8, torch.float16)
-    out = cpu_kernels.paged_decode_attention(query, k_cache, v_cache, clean, seq_lens, 0.25)
+    backend = select_backend("auto", torch.device("cpu"), torch.float16)
+    out = backend.decode_kernel(query, k_cache, v_cache, clean, seq_lens, 0.25)
     expected = paged_ops.paged_decode_attention(query, k_cache, v_cache, clean, seq_lens, 0.25)
-    assert torch.equal(out, expected)
+    assert backend.name == "torch" and torch.equal(out, expected)
+    with pytest.raises(ValueError, match="float32 or bfloat16"):
+        cpu_kernels.paged_decode_attention(query, k_cache, v_cache, clean, seq_lens, 0.25)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])

@@ -1,137 +1,46 @@
 """The flash_attn backend, on CPU, against a fake ``flash_attn`` written from flash-attn 2's documented
 semantics (flash-attn itself needs a GPU; the real kernel is checked by benchmarks/kernel_check.py).
 
-The fake checks the argument contract of the real ``flash_attn_with_kvcache`` (shapes, int32 metadata,
+The fakes (``flash_fakes``) check the argument contract of the real ``flash_attn_with_kvcache`` (shapes, int32 metadata,
 strides, page-size multiple) and computes what its docstring specifies: paged gather through
 ``block_table``, ``cache_seqlens``, bottom-right-aligned causal mask, ``window_size``, ``softcap``,
 ``softmax_scale``, zeros for rows whose mask is empty.  Only the first ``cdiv(len, page)`` entries of
-a block-table row are dereferenced, as in the kernel, so poisoned tails stay untouched.
+a block-table row are dereferenced, as in the kernel, so poisoned tails stay untouched.  The prefill's
+``flash_attn_varlen_func`` (``FakeFlashVarlen``) is checked the same way.
 """
 
 from __future__ import annotations
 
 import sys
-import types
 
 import pytest
 import torch
-from paged_cases import LENS, assert_close, check_decode, make_case
+from flash_fakes import FakeFlash, install
+from paged_cases import (
+    CHUNKS,
+    LENS,
+    assert_close,
+    build_step,
+    check_decode,
+    make_case,
+    make_varlen_case,
+    step_caches,
+    step_reference,
+)
 
 from cbgen.model.backends import choose_backend
 from cbgen.model.kernels.flash import ops as flash_ops
-from cbgen.model.kernels.reference import paged_ops
-
-
-class FakeFlash:
-    """``flash_attn_with_kvcache`` in plain torch; records the arguments of every call."""
-
-    def __init__(self, page_multiple: int = 256) -> None:
-        self.page_multiple = page_multiple
-        self.calls: list[dict] = []
-
-    def __call__(
-        self,
-        q,
-        k_cache,
-        v_cache,
-        k=None,
-        v=None,
-        rotary_cos=None,
-        rotary_sin=None,
-        cache_seqlens=None,
-        cache_batch_idx=None,
-        cache_leftpad=None,
-        block_table=None,
-        softmax_scale=None,
-        causal=False,
-        window_size=(-1, -1),
-        softcap=0.0,
-        rotary_interleaved=True,
-        alibi_slopes=None,
-        num_splits=0,
-        return_softmax_lse=False,
-    ):
-        self.calls.append(
-            dict(
-                q=q,
-                k_cache=k_cache,
-                cache_seqlens=cache_seqlens,
-                block_table=block_table,
-                softmax_scale=softmax_scale,
-                causal=causal,
-                window_size=window_size,
-                softcap=softcap,
-                extra=(k, v, rotary_cos, cache_batch_idx, cache_leftpad, alibi_slopes),
-            )
-        )
-        # The real function's checks (flash_attn_interface.py asserts, flash_api.cpp TORCH_CHECKs).
-        assert k is None and v is None and cache_batch_idx is None and cache_leftpad is None
-        assert k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
-        assert q.dim() == 4 and q.stride(-1) == 1
-        assert q.dtype == k_cache.dtype == v_cache.dtype
-        batch, seqlen_q, num_heads, head_dim = q.shape
-        _, page, num_kv_heads, cache_dim = k_cache.shape
-        assert v_cache.shape == k_cache.shape and cache_dim == head_dim
-        assert page % self.page_multiple == 0, "Paged KV cache block size must be divisible by 256"
-        assert num_heads % num_kv_heads == 0
-        assert block_table.dtype == torch.int32 and block_table.stride(-1) == 1
-        assert block_table.shape[0] == batch
-        assert isinstance(cache_seqlens, torch.Tensor)
-        assert cache_seqlens.dtype == torch.int32 and cache_seqlens.is_contiguous()
-        assert cache_seqlens.shape == (batch,)
-        assert isinstance(window_size, tuple) and len(window_size) == 2
-        assert all(isinstance(w, int) for w in window_size)
-        assert isinstance(softmax_scale, float) and isinstance(softcap, float)
-
-        left, right = window_size
-        if causal:
-            right = 0
-        group = num_heads // num_kv_heads
-        out = torch.zeros(batch, seqlen_q, num_heads, head_dim, dtype=torch.float32)
-        for b in range(batch):
-            n = int(cache_seqlens[b])
-            if n == 0:
-                continue
-            used = block_table[b, : -(-n // page)].long()
-            keys = k_cache[used].reshape(-1, num_kv_heads, head_dim)[:n].float()
-            values = v_cache[used].reshape(-1, num_kv_heads, head_dim)[:n].float()
-            keys = keys.repeat_interleave(group, dim=1).transpose(0, 1)  # [H, n, D]
-            values = values.repeat_interleave(group, dim=1).transpose(0, 1)
-            scores = q[b].float().transpose(0, 1) @ keys.transpose(1, 2) * softmax_scale  # [H, sq, n]
-            if softcap > 0:
-                scores = softcap * torch.tanh(scores / softcap)
-            # Query i sits at i + n - seqlen_q (bottom-right alignment); it sees keys in
-            # [pos - left, pos + right], -1 meaning unbounded.
-            pos = torch.arange(seqlen_q)[:, None] + n - seqlen_q
-            j = torch.arange(n)[None, :]
-            visible = torch.ones(seqlen_q, n, dtype=torch.bool)
-            if left >= 0:
-                visible &= j >= pos - left
-            if right >= 0:
-                visible &= j <= pos + right
-            scores = scores.masked_fill(~visible, float("-inf"))
-            probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # an empty row gives zeros
-            out[b] = (probs @ values).transpose(0, 1)
-        return out.to(q.dtype)
+from cbgen.model.kernels.reference import paged_ops, varlen
 
 
 @pytest.fixture
 def fake_flash(monkeypatch):
-    """Installs the fake as ``flash_attn`` (version 2.8.3) and re-probes flash_ops."""
+    """Installs the fakes as ``flash_attn`` (version 2.8.3; see ``flash_fakes.install``)."""
 
-    def install(page_multiple: int = 256, version: str = "2.8.3") -> FakeFlash:
-        fake = FakeFlash(page_multiple)
-        module = types.ModuleType("flash_attn")
-        module.__version__ = version
-        module.flash_attn_with_kvcache = fake
-        monkeypatch.setitem(sys.modules, "flash_attn", module)
-        state = flash_ops._probe()
-        monkeypatch.setattr(flash_ops, "_FLASH", state)
-        monkeypatch.setattr(flash_ops, "HAS_FLASH_ATTN", state.fn is not None)
-        monkeypatch.setattr(flash_ops, "PAGE_BLOCK_MULTIPLE", page_multiple)
-        return fake
+    def install_fake(page_multiple: int = 256, version: str = "2.8.3", varlen="paged") -> FakeFlash:
+        return install(monkeypatch, page_multiple, version, varlen)
 
-    return install
+    return install_fake
 
 
 def _check_decode(
@@ -181,6 +90,12 @@ def test_module_imports_without_flash_attn() -> None:
         flash_ops.paged_decode_attention(query, k_cache, v_cache, table, seq_lens, 1.0)
     reason = flash_ops.unavailable_reason(torch.device("cuda"), torch.bfloat16, 256, 128)
     assert reason is not None and "not usable" in reason
+    assert not flash_ops.varlen_available()
+    query, k_cache, v_cache, table, _, cu, _ = make_varlen_case(0, [(3, 2)], 2, 1, 8, 8, torch.float32)
+    with pytest.raises(RuntimeError, match="flash_attn_varlen_func"):
+        flash_ops.varlen_prefill_attention(
+            query, k_cache, v_cache, table, cu, cu, 1.0, max_q_len=3, max_k_len=5
+        )
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
@@ -376,4 +291,130 @@ def test_engine_with_fake_flash_matches_torch(fake_flash, monkeypatch, arch, dec
             assert (runner.static is None) == (decode_mode == "eager")
         runs[backend] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     assert fake.calls, "decode never reached flash_attn_with_kvcache"
+    assert fake.varlen.calls, "prefill never reached flash_attn_varlen_func"
     assert runs["flash_attn"] == runs["torch"]
+
+
+# ------------------------------------------------------------------------------------------------
+# Varlen prefill
+# ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(("sliding_window", "softcap"), [(None, None), (6, None), (None, 5.0), (20, 30.0)])
+def test_varlen_prefill_matches_reference(fake_flash, dtype, sliding_window, softcap) -> None:
+    fake = fake_flash(page_multiple=8)
+    query, k_cache, v_cache, table, clean, cu, lens = make_varlen_case(2, CHUNKS, 6, 2, 32, 8, dtype)
+    cu_k = torch.zeros_like(cu)
+    cu_k[1:] = lens.cumsum(0)
+    max_q, max_k = max(q for q, _ in CHUNKS), int(lens.max())
+    out = flash_ops.varlen_prefill_attention(
+        query,
+        k_cache,
+        v_cache,
+        table,
+        cu,
+        cu_k,
+        0.2,
+        sliding_window,
+        softcap,
+        max_q_len=max_q,
+        max_k_len=max_k,
+    )
+    want = varlen.varlen_prefill_attention(
+        query.float(), k_cache.float(), v_cache.float(), clean, cu, lens, 0.2, sliding_window, softcap
+    )
+    assert out.dtype == dtype
+    assert_close(out.float(), want, dtype)
+    call = fake.varlen.calls[-1]
+    assert call["causal"] is True and call["softmax_scale"] == 0.2
+    assert call["window_size"] == ((-1, -1) if sliding_window is None else (sliding_window - 1, 0))
+    assert call["softcap"] == (0.0 if softcap is None else softcap)
+    assert (call["max_seqlen_q"], call["max_seqlen_k"]) == (max_q, max_k)
+    assert call["k"] is k_cache and call["block_table"] is table  # the cache read in place
+
+
+def test_varlen_prefill_at_the_real_page_size(fake_flash) -> None:
+    fake_flash()  # pages of 256 tokens, as flash-attn 2 requires
+    chunks = [(300, 0), (7, 500), (40, 216)]
+    query, k_cache, v_cache, table, clean, cu, lens = make_varlen_case(
+        1, chunks, 8, 2, 64, 256, torch.bfloat16
+    )
+    cu_k = torch.zeros_like(cu)
+    cu_k[1:] = lens.cumsum(0)
+    out = flash_ops.varlen_prefill_attention(
+        query, k_cache, v_cache, table, cu, cu_k, 0.125, 100, max_q_len=300, max_k_len=507
+    )
+    want = varlen.varlen_prefill_attention(
+        query.float(), k_cache.float(), v_cache.float(), clean, cu, lens, 0.125, 100
+    )
+    assert_close(out.float(), want, torch.bfloat16)
+
+
+def test_paged_varlen_is_found_by_its_signature(fake_flash) -> None:
+    fake_flash(varlen="paged")
+    assert flash_ops.varlen_available()
+    fake_flash(varlen="unpaged")  # a flash_attn_varlen_func without block_table
+    assert flash_ops.HAS_FLASH_ATTN and not flash_ops.varlen_available()
+    fake_flash(varlen=None)
+    assert not flash_ops.varlen_available()
+    query, k_cache, v_cache, table, _, cu, _ = make_varlen_case(0, CHUNKS, 4, 2, 16, 8, torch.bfloat16)
+    with pytest.raises(RuntimeError, match="flash_attn_varlen_func"):
+        flash_ops.varlen_prefill_attention(
+            query, k_cache, v_cache, table, cu, cu, 0.2, max_q_len=17, max_k_len=52
+        )
+
+
+def test_flash_backend_attends_a_step_in_one_varlen_call(fake_flash) -> None:
+    """``FlashAttnBackend.prefill``: every chunk of a built step in one flash call, reading the
+    step's varlen metadata as it is (no copies, nothing to launch)."""
+    from types import SimpleNamespace
+
+    from cbgen.model.attention import paged_attention_forward
+    from cbgen.model.backends import FlashAttnBackend
+
+    fake = fake_flash(page_multiple=8)
+    backend = FlashAttnBackend(torch.device("cpu"))
+    batch = build_step([(5, 0), (18, 9), (3, 30), (40, 0)], decodes=[4, 11], seed=6)
+    meta = batch.meta
+    k_cache, v_cache = (c.to(torch.bfloat16) for c in step_caches(3, torch.float32))
+    meta.kv_caches, meta.backend = [(k_cache, v_cache)], backend
+    gen = torch.Generator().manual_seed(4)
+    query = torch.randn(1, batch.num_tokens, 6, 16, generator=gen).to(torch.bfloat16).transpose(1, 2)
+    key, value = (
+        torch.randn(1, batch.num_tokens, 2, 16, generator=gen).to(torch.bfloat16).transpose(1, 2)
+        for _ in range(2)
+    )
+    out, _ = paged_attention_forward(
+        SimpleNamespace(layer_idx=0), query, key, value, None, scaling=0.25, sliding_window=9, cbgen_meta=meta
+    )
+    (call,) = fake.varlen.calls
+    info = meta.varlen
+    assert call["block_table"] is info.block_table and call["cu_seqlens_k"] is info.cu_seqlens_k
+    assert call["cu_seqlens_q"] is info.cu_seqlens_q and call["max_seqlen_q"] == 40
+    q = query[0].transpose(0, 1)
+    assert_close(out[0].float(), step_reference(batch, q, k_cache, v_cache, 9, None), torch.bfloat16)
+
+
+def test_flash_backend_without_paged_varlen_falls_back(fake_flash, monkeypatch) -> None:
+    """An older flash-attn: the Triton varlen kernel where Triton runs, else the torch strategies."""
+    from cbgen.model import backends
+    from cbgen.model.kernels.triton import ops as triton_ops
+
+    fake_flash(page_multiple=8, varlen="unpaged")
+    backend = backends.FlashAttnBackend(torch.device("cpu"))
+    assert backend.varlen_kernel is (backends._triton_varlen if triton_ops.available("cpu") else None)
+    monkeypatch.setattr(triton_ops, "available", lambda device: False)
+    backend = backends.FlashAttnBackend(torch.device("cpu"))
+    assert backend.varlen_kernel is None
+    batch = build_step([(5, 0), (18, 9)], decodes=[], seed=1)
+    meta = batch.meta
+    k_cache, v_cache = step_caches(2, torch.float32)
+    meta.kv_caches = [(k_cache, v_cache)]
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(batch.num_tokens, 4, 16, generator=gen)
+    k, v = (torch.randn(batch.num_tokens, 2, 16, generator=gen) for _ in range(2))
+    paged_ops.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+    out = torch.empty_like(q)
+    backend.prefill(meta, q, k, v, k_cache, v_cache, 0.25, None, None, out)
+    assert_close(out, step_reference(batch, q, k_cache, v_cache, None, None), torch.float32)

@@ -8,16 +8,31 @@ tensors.  Shapes stay small: the interpreter executes every program in Python.
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 
 pytest.importorskip("triton")
 
 import torch
-from paged_cases import LENS, NUM_BLOCKS, check_decode, make_case, rel_err
+from paged_cases import (
+    CHUNKS,
+    LENS,
+    NUM_BLOCKS,
+    assert_close,
+    build_step,
+    check_decode,
+    make_case,
+    make_varlen_case,
+    rel_err,
+    step_caches,
+    step_reference,
+)
 
 from cbgen import LLM, SamplingParams
-from cbgen.model.kernels.reference import paged_ops
+from cbgen.model.kernels.reference import paged_ops, varlen
 from cbgen.model.kernels.triton import ops as triton_ops
+from cbgen.model.kernels.triton import prefill as triton_prefill
 from oracle import compare, hf_greedy
 from tiny_models import make_model, make_prompts
 
@@ -171,6 +186,108 @@ def test_decode_rejects_bad_gqa() -> None:
     query, k_cache, v_cache, table, _, seq_lens = make_case(0, [4], 3, 2, 16, 8, torch.float32)
     with pytest.raises(ValueError, match="multiple"):
         triton_ops.triton_paged_decode_attention(query, k_cache, v_cache, table, seq_lens, 0.25)
+
+
+# ------------------------------------------------------------------------------------------------
+# varlen prefill
+# ------------------------------------------------------------------------------------------------
+
+
+def _check_prefill(
+    chunks, num_heads, num_kv_heads, head_dim, block_size, dtype, seed=0, sliding_window=None, softcap=None
+) -> None:
+    """The varlen prefill kernel on a case with a poisoned block-table tail against the float32
+    reference (every row: a prefill chunk has no padding rows)."""
+    query, k_cache, v_cache, table, clean, cu, lens = make_varlen_case(
+        seed, chunks, num_heads, num_kv_heads, head_dim, block_size, dtype
+    )
+    scale = head_dim**-0.5
+    out = triton_prefill.triton_varlen_prefill_attention(
+        query,
+        k_cache,
+        v_cache,
+        table,
+        cu,
+        lens,
+        scale,
+        sliding_window,
+        softcap,
+        max_q_len=max(q for q, _ in chunks),
+    )
+    want = varlen.varlen_prefill_attention(
+        query.float(), k_cache.float(), v_cache.float(), clean, cu, lens, scale, sliding_window, softcap
+    )
+    assert out.shape == query.shape and out.dtype == dtype
+    assert_close(out.float(), want, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim"), [(2, 2, 16), (6, 2, 32), (4, 1, 24)])
+def test_prefill_matches_reference(dtype, num_heads, num_kv_heads, head_dim) -> None:
+    """Mixed chunks (no context and after it, lengths off the block and across query tiles), MHA,
+    GQA with a group of 3 (padded to 4) and MQA with a head size that is not a power of two."""
+    _check_prefill(CHUNKS, num_heads, num_kv_heads, head_dim, 8, dtype, seed=head_dim)
+
+
+@pytest.mark.parametrize(("sliding_window", "softcap"), [(1, None), (6, None), (20, 5.0), (None, 0.5)])
+def test_prefill_window_and_softcap(sliding_window, softcap) -> None:
+    # A window of 6 over 16-token query tiles leaves whole key tiles invisible to some rows.
+    _check_prefill(CHUNKS, 4, 2, 16, 8, torch.float32, seed=7, sliding_window=sliding_window, softcap=softcap)
+
+
+def test_prefill_fp16_tensor_core_branch_and_block_16() -> None:
+    _check_prefill([(20, 0), (3, 29)], 8, 2, 32, 16, torch.float16, seed=4, sliding_window=11)
+
+
+def test_prefill_writes_into_a_strided_out_and_reads_a_strided_query() -> None:
+    chunks = [(6, 0), (9, 13)]
+    query, k_cache, v_cache, table, clean, cu, lens = make_varlen_case(5, chunks, 4, 2, 16, 8, torch.float32)
+    wide = torch.zeros(15, 8, 16)  # rows of a [T, 2H, D] buffer: row stride 2H*D
+    strided_q = torch.randn(15, 8, 16)[:, ::2]
+    strided_q.copy_(query)
+    out = triton_prefill.triton_varlen_prefill_attention(
+        strided_q, k_cache, v_cache, table, cu, lens, 0.25, max_q_len=9, out=wide[:, :4]
+    )
+    assert out.data_ptr() == wide.data_ptr() and not wide[:, 4:].any()
+    want = varlen.varlen_prefill_attention(query, k_cache, v_cache, clean, cu, lens, 0.25)
+    torch.testing.assert_close(wide[:, :4], want, atol=1e-4, rtol=1e-4)
+    with pytest.raises(ValueError, match="out"):
+        triton_prefill.triton_varlen_prefill_attention(
+            query, k_cache, v_cache, table, cu, lens, 0.25, max_q_len=9, out=wide[:, :3]
+        )
+    with pytest.raises(ValueError, match="seq_lens_k"):
+        triton_prefill.triton_varlen_prefill_attention(
+            query, k_cache, v_cache, table, cu, lens[:1], 0.25, max_q_len=9
+        )
+
+
+def test_triton_backend_attends_a_step_in_one_launch(monkeypatch) -> None:
+    """``TritonBackend.prefill`` hands every chunk of a built step to one kernel launch."""
+    from cbgen.model.attention import paged_attention_forward
+    from cbgen.model.backends import TritonBackend
+
+    launches = []
+    original = triton_prefill.triton_varlen_prefill_attention
+
+    def spy(*args, **kwargs):
+        launches.append(kwargs["max_q_len"])
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(triton_prefill, "triton_varlen_prefill_attention", spy)
+    backend = TritonBackend()
+    batch = build_step([(5, 0), (18, 9), (3, 30)], decodes=[4], seed=3)
+    meta = batch.meta
+    k_cache, v_cache = step_caches(1, torch.float32)
+    meta.kv_caches, meta.backend = [(k_cache, v_cache)], backend
+    gen = torch.Generator().manual_seed(2)
+    query = torch.randn(1, batch.num_tokens, 4, 16, generator=gen).transpose(1, 2)
+    key, value = (torch.randn(1, batch.num_tokens, 2, 16, generator=gen).transpose(1, 2) for _ in range(2))
+    out, _ = paged_attention_forward(
+        SimpleNamespace(layer_idx=0), query, key, value, None, scaling=0.25, sliding_window=7, cbgen_meta=meta
+    )
+    assert launches == [18]
+    q = query[0].transpose(0, 1)
+    assert_close(out[0], step_reference(batch, q, k_cache, v_cache, 7, None), torch.float32)
 
 
 # ------------------------------------------------------------------------------------------------

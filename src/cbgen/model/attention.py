@@ -17,21 +17,38 @@ from dataclasses import dataclass, field
 import torch
 from transformers import AttentionInterface
 
-from cbgen.model.kernels.reference import paged_ops
+from cbgen.model.kernels.reference import paged_ops, varlen
 
 ATTN_NAME = "cbgen_paged"
 
 
 @dataclass
 class PrefillSeq:
-    """One prefill chunk: query tokens ``[q_start, q_start + q_len)`` of the packed batch, whose
-    sequence already has ``ctx_len`` tokens in the cache."""
+    """One prefill chunk, in host ints: query tokens ``[q_start, q_start + q_len)`` of the packed
+    batch, whose sequence already has ``ctx_len`` tokens in the cache.  Row ``i`` of
+    :attr:`VarlenPrefill.block_table` belongs to ``AttentionMetadata.prefills[i]``."""
 
     q_start: int
     q_len: int
     ctx_len: int
-    block_table: torch.Tensor | None  # [num_blocks] int, only set when ctx_len > 0 and not as_rows
     as_rows: bool = False  # attended by the decode kernel, one row per query token (see below)
+
+
+@dataclass
+class VarlenPrefill:
+    """The step's prefill chunks in varlen form, on the device, for kernels that attend them all in
+    one call (the contract of :mod:`cbgen.model.kernels.reference.varlen`): chunk ``i`` owns rows
+    ``cu_seqlens_q[i] .. cu_seqlens_q[i + 1]`` of the packed prefill queries ``q[num_decode:]`` and
+    attends to the first ``seq_lens_k[i]`` tokens (context plus itself) of its sequence through
+    ``block_table[i]``.  Built once per step by the input builder, in one host-to-device copy."""
+
+    cu_seqlens_q: torch.Tensor  # [N + 1] int32, from 0
+    cu_seqlens_k: torch.Tensor  # [N + 1] int32: cumulative seq_lens_k (flash-attn takes these)
+    seq_lens_k: torch.Tensor  # [N] int32
+    block_table: torch.Tensor  # [N, W] int32, padded with block 0 (never read past a length)
+    max_q_len: int
+    max_k_len: int
+    num_tokens: int  # query tokens of all chunks
 
 
 @dataclass
@@ -45,25 +62,30 @@ class AttentionMetadata:
     decode_seq_lens: torch.Tensor | None  # [Bd] int32, context length including the new token
     decode_max_len: int
     prefills: list[PrefillSeq]
+    varlen: VarlenPrefill | None = None  # set when ``prefills`` is not empty
     # Short prefill chunks attended as decode rows: query token i of a chunk whose sequence already
     # has c cached tokens is a row with context length c + i + 1, so causality comes from the length
     # alone.  One kernel call then replaces a per-sequence SDPA call (its fixed cost dominates short
-    # chunks).  Set by the input builder only when the backend has a decode kernel.
-    row_prefill_idx: torch.Tensor | None = None  # [N] int64 positions in the packed batch
+    # chunks).  Set by the input builder only when the backend asks for it (``row_prefill_max``);
+    # those chunks come first among the prefills, so their rows are the packed batch's
+    # ``[num_decode, num_decode + row_prefill_tokens)``.
+    row_prefill_chunks: int = 0
+    row_prefill_tokens: int = 0
     row_prefill_table: torch.Tensor | None = None  # [N, W] int32
     row_prefill_lens: torch.Tensor | None = None  # [N] int32
     row_prefill_max_len: int = 0
     # The engine's backend; the runner sets it before every forward (the builder does not know it).
     backend: AttentionBackend | None = None
-    _masks: dict = field(default_factory=dict)
+    # Tensors derived once per step and shared by every layer (masks, index plans).
+    derived: dict = field(default_factory=dict)
 
     def decode_mask(self, length: int, sliding_window: int | None) -> torch.Tensor:
         """Decode visibility mask, built once per step and window size and shared by all layers."""
-        key = (length, sliding_window)
-        mask = self._masks.get(key)
+        key = ("decode_mask", length, sliding_window)
+        mask = self.derived.get(key)
         if mask is None:
             mask = paged_ops.decode_mask(self.decode_seq_lens, length, sliding_window)
-            self._masks[key] = mask
+            self.derived[key] = mask
         return mask
 
 
@@ -138,9 +160,9 @@ class AttentionBackend:
     def prefill(
         self,
         meta: AttentionMetadata,
-        query: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
         scale: float,
@@ -148,42 +170,67 @@ class AttentionBackend:
         softcap: float | None,
         out: torch.Tensor,
     ) -> None:
-        """SDPA for each prefill chunk of the step that is not attended as decode rows, into its rows
-        of ``out [T, H, D]`` (``query [1, H, T, D]``, ``key``/``value`` ``[1, Hkv, T, D]``; the
-        chunk's KV is already in the cache)."""
-        for seq in meta.prefills:
-            if seq.as_rows:
-                continue
-            end = seq.q_start + seq.q_len
-            qs = query[:, :, seq.q_start : end]
-            if seq.ctx_len == 0:
-                ks = key[:, :, seq.q_start : end]
-                vs = value[:, :, seq.q_start : end]
-            else:
-                total = seq.ctx_len + seq.q_len
-                ks = paged_ops.gather_kv(k_cache, seq.block_table[None], total)
-                vs = paged_ops.gather_kv(v_cache, seq.block_table[None], total)
-            res = None
-            if seq.ctx_len and sliding_window is None and softcap is None:
-                res = paged_ops.attend_after_context(qs, ks, vs, seq.ctx_len, scale)
-            if res is None:
-                mask = _prefill_mask(seq.q_len, seq.ctx_len, sliding_window, query.device)
-                res = paged_ops.attend(qs, ks, vs, mask, scale, softcap, is_causal=mask is None)
-            out[seq.q_start : end] = res[0].transpose(0, 1)
+        """Attention of every prefill chunk of the step, into rows ``num_decode:`` of ``out [T, H, D]``
+        (contiguous).
 
+        ``q [T, H, D]`` is the packed batch's queries, ``k``/``v [T, Hkv, D]`` its fresh keys and
+        values (already in the cache), any strides.  One call per layer for all chunks: each
+        backend picks its own way in.  Here: the chunks the builder laid out as decode rows
+        through ``decode_kernel`` in one call (:meth:`prefill_rows`), the others through SDPA
+        (:meth:`prefill_sdpa`)."""
+        if meta.row_prefill_tokens:
+            self.prefill_rows(meta, q, k_cache, v_cache, scale, sliding_window, softcap, out)
+        self.prefill_sdpa(meta, q, k, v, k_cache, v_cache, scale, sliding_window, softcap, out)
 
-def _prefill_mask(
-    q_len: int, ctx_len: int, sliding_window: int | None, device: torch.device
-) -> torch.Tensor | None:
-    """Causal (and windowed) mask for a chunk whose first query sits at absolute position ``ctx_len``."""
-    if ctx_len == 0 and sliding_window is None:
-        return None  # plain causal: let SDPA use is_causal
-    q_pos = torch.arange(ctx_len, ctx_len + q_len, device=device)[:, None]
-    k_pos = torch.arange(ctx_len + q_len, device=device)[None, :]
-    mask = k_pos <= q_pos
-    if sliding_window is not None:
-        mask &= k_pos > q_pos - sliding_window
-    return mask
+    def prefill_rows(
+        self,
+        meta: AttentionMetadata,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        scale: float,
+        sliding_window: int | None,
+        softcap: float | None,
+        out: torch.Tensor,
+    ) -> None:
+        """The chunks laid out as decode rows (``AttentionMetadata.row_prefill_*``), one
+        ``decode_kernel`` call for all of them."""
+        lo = meta.num_decode
+        hi = lo + meta.row_prefill_tokens
+        out[lo:hi] = self.decode_kernel(
+            q[lo:hi],
+            k_cache,
+            v_cache,
+            meta.row_prefill_table,
+            meta.row_prefill_lens,
+            scale,
+            sliding_window=sliding_window,
+            softcap=softcap,
+            max_seq_len=meta.row_prefill_max_len,
+        )
+
+    def prefill_sdpa(
+        self,
+        meta: AttentionMetadata,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        scale: float,
+        sliding_window: int | None,
+        softcap: float | None,
+        out: torch.Tensor,
+    ) -> None:
+        """The chunks not laid out as rows, one SDPA call each (:func:`varlen.attend_loop`).  A
+        single call for all of them, padded or block-diagonal, measured slower on the CPU (see
+        :mod:`cbgen.model.kernels.reference.varlen`)."""
+        first = meta.row_prefill_chunks
+        if first < len(meta.prefills):
+            table = meta.varlen.block_table[first:]
+            varlen.attend_loop(
+                meta.prefills[first:], q, k, v, k_cache, v_cache, table, scale, sliding_window, softcap, out
+            )
 
 
 def paged_attention_forward(
@@ -208,34 +255,22 @@ def paged_attention_forward(
         raise _no_metadata_error()
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     backend = meta.backend
-    layer = module.layer_idx
-    k_cache, v_cache = meta.kv_caches[layer]
+    k_cache, v_cache = meta.kv_caches[module.layer_idx]
 
     q = query[0].transpose(0, 1)  # [T, H, D]
-    backend.store_kv(key[0].transpose(0, 1), value[0].transpose(0, 1), k_cache, v_cache, meta.slot_mapping)
+    k, v = key[0].transpose(0, 1), value[0].transpose(0, 1)
+    backend.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
 
     nd = meta.num_decode
     if not meta.prefills:
         out = backend.decode(meta, q, k_cache, v_cache, scale, sliding_window, softcap)
         return out[None], None
 
-    out = torch.empty_like(q)
+    # Contiguous, whatever q's strides: prefill kernels write row ranges of it in place.
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if nd:
         out[:nd] = backend.decode(meta, q[:nd], k_cache, v_cache, scale, sliding_window, softcap)
-    if meta.row_prefill_idx is not None:
-        idx = meta.row_prefill_idx
-        out[idx] = backend.decode_kernel(
-            q.index_select(0, idx),
-            k_cache,
-            v_cache,
-            meta.row_prefill_table,
-            meta.row_prefill_lens,
-            scale,
-            sliding_window=sliding_window,
-            softcap=softcap,
-            max_seq_len=meta.row_prefill_max_len,
-        )
-    backend.prefill(meta, query, key, value, k_cache, v_cache, scale, sliding_window, softcap, out)
+    backend.prefill(meta, q, k, v, k_cache, v_cache, scale, sliding_window, softcap, out)
     return out[None], None
 
 

@@ -9,9 +9,10 @@
 * :class:`FlashAttnBackend`: flash-attn's paged decode (:mod:`cbgen.model.kernels.flash.ops`), with the
   Triton store where Triton runs.
 
-Each holds its KV store and decode kernels, its prefill path (the shared per-chunk SDPA of
-:class:`cbgen.model.attention.AttentionBackend` for all of them today), its geometry checks and what
-fixed-shape decode and CUDA graphs it allows.  :func:`select_backend` resolves the
+Each holds its KV store and decode kernels, its prefill path (one call per layer for every chunk of
+a step: the torch SDPA strategies of :class:`cbgen.model.attention.AttentionBackend`, the C decode
+kernel's rows for short chunks on the CPU, the Triton varlen kernel, flash-attn's varlen function),
+its geometry checks and what fixed-shape decode and CUDA graphs it allows.  :func:`select_backend` resolves the
 ``attention_backend`` setting.  The Triton and flash-attn modules are imported only when their
 backend is considered: importing them probes (and may initialise) their packages.
 """
@@ -22,7 +23,7 @@ from collections.abc import Callable
 
 import torch
 
-from cbgen.model.attention import AttentionBackend, AttentionMetadata
+from cbgen.model.attention import AttentionBackend, AttentionMetadata, VarlenPrefill
 from cbgen.model.kernels.cpu import ops as cpu_kernels
 
 __all__ = [
@@ -32,7 +33,9 @@ __all__ = [
     "KernelBackend",
     "TorchBackend",
     "TritonBackend",
+    "backend_choice",
     "choose_backend",
+    "make_backend",
     "select_backend",
 ]
 
@@ -95,10 +98,14 @@ class CpuBackend(KernelBackend):
     custom op tens) on the fused path's projection views."""
 
     name = "cpu"
-    # Prefill chunks up to this many tokens attend through the C decode kernel, one row per query
-    # token, instead of one SDPA call per chunk (~30 us of fixed cost each): on the overhead
-    # workload's 8-64 token prompts that call count was most of a prefill step.  Longer chunks keep
-    # SDPA's matmuls.  Only measured on these kernels, hence 0 on the other backends.
+    # Prefill chunks up to this many tokens attend through the C decode kernel, all in one call, one
+    # row per query token, instead of one SDPA call per chunk (~30 us of fixed cost each): on the
+    # overhead workload's 8-64 token prompts that call count was most of a prefill step.  Measured
+    # (benchmarks/prefill_varlen.py, AVX2 EPYC, 256 prompts of 16-48 tokens, 30 layers, fp32 / bf16):
+    # rows 0.37 / 0.35 s a step, per-chunk SDPA 1.2 / 1.7 s, one padded SDPA call 2.5 / 1.7 s, one
+    # block-diagonal call 43 / 85 s.  Longer chunks keep SDPA's matmuls (a 2,048-token chunk after
+    # 4,096: flash SDPA 6.1 / 15.1 s, rows 9.4 / 15.0 s).  Only measured on these kernels, hence 0 on
+    # the other backends.
     row_prefill_max = 64
 
     def __init__(self) -> None:
@@ -107,6 +114,40 @@ class CpuBackend(KernelBackend):
         # decode_direct for what they accept).
         self.store_direct = cpu_kernels.store_direct
         self.decode_direct = cpu_kernels.decode_direct
+
+    def prefill_rows(
+        self,
+        meta: AttentionMetadata,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        scale: float,
+        sliding_window: int | None,
+        softcap: float | None,
+        out: torch.Tensor,
+    ) -> None:
+        """The short chunks' rows straight through the C kernel (no custom-op layer: prefill steps
+        are never compiled), reading the query rows in place when their heads are contiguous (the
+        fused path's views; transformers' usually) and writing into ``out``."""
+        lo = meta.num_decode
+        hi = lo + meta.row_prefill_tokens
+        if q.dtype != k_cache.dtype or not cpu_kernels.supports(q.dtype):
+            super().prefill_rows(meta, q, k_cache, v_cache, scale, sliding_window, softcap, out)
+            return
+        rows = q[lo:hi]
+        if rows.stride(2) != 1 or rows.stride(1) != rows.shape[2]:
+            rows = rows.contiguous()
+        self.decode_direct(
+            rows,
+            k_cache,
+            v_cache,
+            meta.row_prefill_table,
+            meta.row_prefill_lens,
+            scale,
+            int(sliding_window or 0),
+            float(softcap or 0.0),
+            out=out[lo:hi],
+        )
 
     def attend_projections(
         self,
@@ -121,9 +162,13 @@ class CpuBackend(KernelBackend):
     ) -> torch.Tensor:
         """Attention ``[T, H, D]`` of a step with prefill chunks, for the fused path: same semantics as
         :func:`cbgen.model.attention.paged_attention_forward`, from the projections' outputs ``q
-        [T, H * D]`` and ``k``/``v`` ``[T, Hkv * D]`` (views with strided rows: no transposed
-        copies).  The KV store, decode rows and short chunks go straight to the C kernels, longer
-        chunks through :meth:`prefill`.  ``window`` 0 = none."""
+        [T, H * D]`` and ``k``/``v`` ``[T, Hkv * D]`` (views with strided rows).  ``window`` 0 = none.
+
+        Its prefill is the common :meth:`prefill`, on ``[T, H, D]`` views of the same memory.  Only
+        the store and the decode rows stay here: the transformers path reaches the C kernels through
+        torch custom ops (the compiled decode path needs opaque calls), which take ``[T, Hkv, D]``
+        heads-first inputs and copy these strided rows; the fused path calls the kernels directly
+        on the views, without those copies or the op dispatch."""
         tokens = q.shape[0]
         k_cache, v_cache = meta.kv_caches[layer_idx]
         self.store_direct(k, v, k_cache, v_cache, meta.slot_mapping)
@@ -142,34 +187,8 @@ class CpuBackend(KernelBackend):
                 0.0,
                 out=out[:nd],
             )
-        if meta.row_prefill_idx is not None:
-            idx = meta.row_prefill_idx
-            out[idx] = self.decode_direct(
-                q3.index_select(0, idx),
-                k_cache,
-                v_cache,
-                meta.row_prefill_table,
-                meta.row_prefill_lens,
-                scale,
-                window,
-                0.0,
-            )
-
-        def heads_first(t: torch.Tensor) -> torch.Tensor:
-            return t.view(tokens, -1, head_dim).transpose(0, 1)[None]
-
-        self.prefill(
-            meta,
-            heads_first(q),
-            heads_first(k),
-            heads_first(v),
-            k_cache,
-            v_cache,
-            scale,
-            window or None,
-            None,
-            out,
-        )
+        k3, v3 = k.view(tokens, -1, head_dim), v.view(tokens, -1, head_dim)
+        self.prefill(meta, q3, k3, v3, k_cache, v_cache, scale, window or None, None, out)
         return out
 
 
@@ -183,6 +202,22 @@ class TritonBackend(KernelBackend):
 
         super().__init__(triton_ops.triton_store_kv, triton_ops.triton_paged_decode_attention)
 
+    def prefill(
+        self,
+        meta: AttentionMetadata,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        scale: float,
+        sliding_window: int | None,
+        softcap: float | None,
+        out: torch.Tensor,
+    ) -> None:
+        """Every chunk in one Triton varlen kernel launch, straight into ``out``."""
+        _varlen_into(_triton_varlen, meta, q, k_cache, v_cache, scale, sliding_window, softcap, out)
+
 
 class FlashAttnBackend(KernelBackend):
     """flash-attn 2's paged decode; KV stored by the Triton kernel where Triton runs on ``device``,
@@ -192,8 +227,35 @@ class FlashAttnBackend(KernelBackend):
 
     def __init__(self, device: torch.device) -> None:
         from cbgen.model.kernels.flash import ops as flash_ops
+        from cbgen.model.kernels.triton import ops as triton_ops
 
         super().__init__(flash_ops.store_kv_for(device), flash_ops.paged_decode_attention)
+        # Prefill: flash-attn's paged varlen function, else the Triton varlen kernel, else the
+        # torch strategies of the base class.
+        self.varlen_kernel = None
+        if flash_ops.varlen_available():
+            self.varlen_kernel = _flash_varlen
+        elif triton_ops.available(device):
+            self.varlen_kernel = _triton_varlen
+
+    def prefill(
+        self,
+        meta: AttentionMetadata,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        scale: float,
+        sliding_window: int | None,
+        softcap: float | None,
+        out: torch.Tensor,
+    ) -> None:
+        """Every chunk in one varlen call (see ``varlen_kernel``)."""
+        if self.varlen_kernel is None:
+            super().prefill(meta, q, k, v, k_cache, v_cache, scale, sliding_window, softcap, out)
+            return
+        _varlen_into(self.varlen_kernel, meta, q, k_cache, v_cache, scale, sliding_window, softcap, out)
 
     def check_geometry(self, block_size: int, head_dim: int) -> None:
         """flash-attn's paged cache needs ``block_size`` a multiple of 256, and ``head_dim`` at most
@@ -210,24 +272,100 @@ class FlashAttnBackend(KernelBackend):
         return flash_ops.cuda_graphs_ok(device)
 
 
-def select_backend(
+def _varlen_into(
+    kernel: Callable[..., None],
+    meta: AttentionMetadata,
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    scale: float,
+    sliding_window: int | None,
+    softcap: float | None,
+    out: torch.Tensor,
+) -> None:
+    """All prefill chunks through one varlen ``kernel`` call (``_triton_varlen``'s signature, the
+    contract of :mod:`cbgen.model.kernels.reference.varlen`), into ``out[num_decode:]``."""
+    if meta.row_prefill_tokens:
+        raise ValueError("a varlen prefill kernel got chunks laid out as decode rows (row_prefill_max > 0)")
+    nd = meta.num_decode
+    kernel(q[nd:], k_cache, v_cache, meta.varlen, scale, sliding_window, softcap, out[nd:])
+
+
+def _triton_varlen(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    info: VarlenPrefill,
+    scale: float,
+    sliding_window: int | None,
+    softcap: float | None,
+    out: torch.Tensor,
+) -> None:
+    from cbgen.model.kernels.triton import prefill as triton_prefill
+
+    triton_prefill.triton_varlen_prefill_attention(
+        query,
+        k_cache,
+        v_cache,
+        info.block_table,
+        info.cu_seqlens_q,
+        info.seq_lens_k,
+        scale,
+        sliding_window,
+        softcap,
+        max_q_len=info.max_q_len,
+        out=out,
+    )
+
+
+def _flash_varlen(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    info: VarlenPrefill,
+    scale: float,
+    sliding_window: int | None,
+    softcap: float | None,
+    out: torch.Tensor,
+) -> None:
+    from cbgen.model.kernels.flash import ops as flash_ops
+
+    out.copy_(
+        flash_ops.varlen_prefill_attention(
+            query,
+            k_cache,
+            v_cache,
+            info.block_table,
+            info.cu_seqlens_q,
+            info.cu_seqlens_k,
+            scale,
+            sliding_window,
+            softcap,
+            max_q_len=info.max_q_len,
+            max_k_len=info.max_k_len,
+        )
+    )
+
+
+def backend_choice(
     requested: str,
     device: torch.device,
     dtype: torch.dtype = torch.float32,
     *,
     block_size: int | None = None,
     head_dim: int | None = None,
-) -> AttentionBackend:
-    """The backend for the ``attention_backend`` setting ``requested``.
+) -> tuple[str, str]:
+    """The backend name for the ``attention_backend`` setting ``requested``, and why.
 
     ``auto`` picks, on CUDA, ``flash_attn`` when flash-attn is installed and suits the engine (fp16/bf16,
     sm80+, ``block_size`` a multiple of 256, ``head_dim`` <= 256, a version whose decode CUDA graphs
     capture), else ``triton`` when Triton is installed; on CPU ``cpu`` (the C kernels of
     :mod:`cbgen.model.kernels.cpu.ops`) when they build here and handle ``dtype``; else ``torch``.
     ``auto`` only considers flash-attn when ``block_size`` and ``head_dim`` are given.  An explicit
-    ``flash_attn`` that cannot work raises ``ValueError`` with the reason (unknown sizes are checked
-    again by the runner against the KV cache, :meth:`AttentionBackend.check_geometry`).
+    request that cannot work raises ``ValueError`` with the reason (for ``flash_attn``, sizes not
+    given are checked again by the runner against the KV cache, :meth:`AttentionBackend.check_geometry`).
     """
+    flash_note = ""
     if requested == "auto" and device.type == "cuda" and block_size is not None and head_dim is not None:
         from cbgen.model.kernels.flash import ops as flash_ops
 
@@ -236,22 +374,23 @@ def select_backend(
             if reason is None and not flash_ops.graph_capturable():
                 reason = "this flash-attn version cannot be captured in CUDA graphs (>= 2.8.4)"
             if reason is None:
-                return FlashAttnBackend(device)
+                return "flash_attn", "auto on CUDA: flash-attn is installed and suits this model and cache"
             flash_ops.log.info("cbgen: flash-attn installed but not used: %s", reason)
+            flash_note = f"; flash-attn not used: {reason}"
     if requested == "flash_attn":
         from cbgen.model.kernels.flash import ops as flash_ops
 
         reason = flash_ops.unavailable_reason(device, dtype, block_size, head_dim)
         if reason is not None:
             raise ValueError(f"attention_backend='flash_attn' cannot be used: {reason}")
-        return FlashAttnBackend(device)
+        return "flash_attn", "requested"
     if requested in ("auto", "triton"):
         from cbgen.model.kernels.triton import ops as triton_ops
 
         if triton_ops.HAS_TRITON and (
             device.type == "cuda" or (requested == "triton" and triton_ops.available(device))
         ):
-            return TritonBackend()
+            return "triton", "requested" if requested == "triton" else f"auto on CUDA: Triton{flash_note}"
         if requested == "triton":
             raise ValueError(
                 "attention_backend='triton' needs triton and a CUDA device (or TRITON_INTERPRET=1)"
@@ -263,13 +402,55 @@ def select_backend(
         and cpu_kernels.supports(dtype)
         and cpu_kernels.available()
     ):
-        return CpuBackend()
+        name = str(dtype).removeprefix("torch.")
+        return "cpu", "requested" if requested == "cpu" else f"auto on the CPU: the C kernels, {name}"
     if requested == "cpu":
         raise ValueError(
             f"attention_backend='cpu' needs a CPU device, a float32/bfloat16 model and a C compiler "
             f"(device {device}, dtype {dtype}; {_cpu_reason()})"
         )
-    return TorchBackend()
+    return "torch", _torch_reason(requested, device, dtype) + flash_note
+
+
+def _torch_reason(requested: str, device: torch.device, dtype: torch.dtype) -> str:
+    """Why ``auto`` (or a request) ends at the torch reference."""
+    if requested == "torch":
+        return "requested"
+    if device.type == "cuda":
+        return "auto on CUDA without Triton: the reference path"
+    if device.type != "cpu":
+        return f"auto on {device.type}: the reference path"
+    if not cpu_kernels.supports(dtype):
+        return (
+            f"auto on the CPU: the C kernels take float32/bfloat16, not {str(dtype).removeprefix('torch.')}"
+        )
+    return f"auto on the CPU: the C kernels are unavailable ({_cpu_reason()})"
+
+
+def make_backend(name: str, device: torch.device) -> AttentionBackend:
+    """A new backend object of the name :func:`backend_choice` returned."""
+    if name == "cpu":
+        return CpuBackend()
+    if name == "triton":
+        return TritonBackend()
+    if name == "flash_attn":
+        return FlashAttnBackend(device)
+    if name == "torch":
+        return TorchBackend()
+    raise ValueError(f"unknown attention backend {name!r}")
+
+
+def select_backend(
+    requested: str,
+    device: torch.device,
+    dtype: torch.dtype = torch.float32,
+    *,
+    block_size: int | None = None,
+    head_dim: int | None = None,
+) -> AttentionBackend:
+    """The backend object for the ``attention_backend`` setting ``requested`` (see :func:`backend_choice`)."""
+    name, _ = backend_choice(requested, device, dtype, block_size=block_size, head_dim=head_dim)
+    return make_backend(name, device)
 
 
 def choose_backend(
@@ -281,7 +462,7 @@ def choose_backend(
     head_dim: int | None = None,
 ) -> str:
     """The name of the backend :func:`select_backend` picks (same arguments, same errors)."""
-    return select_backend(requested, device, dtype, block_size=block_size, head_dim=head_dim).name
+    return backend_choice(requested, device, dtype, block_size=block_size, head_dim=head_dim)[0]
 
 
 def _cpu_reason() -> str:

@@ -1,7 +1,9 @@
 """SchedulerOutput -> packed model inputs.
 
 No padding is ever computed: all scheduled tokens are concatenated into one row.  Single-token rows
-(decodes) come first so attention can treat them as one gathered batch; prefill chunks follow.
+(decodes) come first so attention can treat them as one gathered batch; prefill chunks follow, those
+the backend attends as decode rows (``row_prefill_max``) first, and are described once more in
+varlen form (:class:`cbgen.model.attention.VarlenPrefill`) for kernels that attend them all at once.
 Only the rows that sample (plus prompt-logprob rows when asked for) go through the LM head.
 Per-step CPU work is O(batch) numpy for decodes; prefill chunks cost O(their tokens).
 """
@@ -14,7 +16,7 @@ import numpy as np
 import torch
 
 from cbgen.core.update import sampling_sequences
-from cbgen.model.attention import AttentionMetadata, PrefillSeq
+from cbgen.model.attention import AttentionMetadata, PrefillSeq, VarlenPrefill
 from cbgen.request import Request
 
 
@@ -76,6 +78,11 @@ class InputBuilder:
         """Packs the scheduled tokens; see the module docstring for the layout."""
         decodes = [(r, n) for r, n in scheduled if n == 1]
         prefills = [(r, n) for r, n in scheduled if n != 1]
+        if self.row_prefill_max:
+            # Chunks attended as decode rows first, so their rows form one range of the batch.
+            prefills = [p for p in prefills if p[1] <= self.row_prefill_max] + [
+                p for p in prefills if p[1] > self.row_prefill_max
+            ]
         order = decodes + prefills
         pack = _Packing()
         meta = AttentionMetadata(
@@ -89,7 +96,8 @@ class InputBuilder:
         )
         if decodes:
             self._pack_decodes(decodes, pack, meta)
-        row_tables = self._pack_prefills(prefills, len(decodes), pack, meta)
+        if prefills:
+            self._pack_prefills(prefills, len(decodes), pack, meta)
         input_ids = np.concatenate(pack.tokens) if pack.tokens else np.zeros(0, np.int64)
         positions = np.concatenate(pack.positions) if pack.positions else np.zeros(0, np.int64)
         slots = np.concatenate(pack.slots) if pack.slots else np.zeros(0, np.int64)
@@ -100,8 +108,8 @@ class InputBuilder:
         ):
             raise RuntimeError(f"a step addresses a slot outside the KV cache ({slots.min()}..{slots.max()})")
         meta.slot_mapping = self._to_device(slots, torch.int64)
-        if row_tables:
-            self._row_prefill_meta(pack.row_idx, row_tables, positions, meta)
+        if meta.row_prefill_chunks:
+            self._row_prefill_meta(pack.tables[: meta.row_prefill_chunks], positions, meta)
         logits_rows, sample_requests, prompt_rows, num_prompt_rows = _logits_rows(order)
         return ModelInput(
             pending_rows=[(row, r) for row, (r, _) in enumerate(decodes) if r.pending],
@@ -158,11 +166,10 @@ class InputBuilder:
 
     def _pack_prefills(
         self, prefills: list[tuple[Request, int]], q_start: int, pack: _Packing, meta: AttentionMetadata
-    ) -> list[tuple[np.ndarray, int]]:
-        """Prefill chunks after the decode rows; returns (block ids, row count) of the chunks that
-        attend as decode-kernel rows."""
+    ) -> None:
+        """Prefill chunks after the decode rows, and their varlen description."""
         bs = self.block_size
-        row_tables: list[tuple[np.ndarray, int]] = []
+        first = q_start
         for r, n in prefills:
             c = r.num_computed_tokens
             pack.tokens.append(np.asarray(r.token_ids[c : c + n], dtype=np.int64))
@@ -170,32 +177,54 @@ class InputBuilder:
             blocks = np.asarray(r.block_ids, dtype=np.int64)
             pack.slots.append(blocks[pos // bs] * bs + pos % bs)
             pack.positions.append(pos)
+            pack.tables.append(blocks[: -(-(c + n) // bs)])
             as_rows = n <= self.row_prefill_max
-            used = blocks[: -(-(c + n) // bs)]
-            self._check_blocks(used)
+            meta.prefills.append(PrefillSeq(q_start, n, c, as_rows=as_rows))
             if as_rows:
-                pack.row_idx.append(np.arange(q_start, q_start + n, dtype=np.int64))
-                row_tables.append((used, n))
-            table = self._to_device(used, torch.int32) if c > 0 and not as_rows else None
-            meta.prefills.append(PrefillSeq(q_start, n, c, table, as_rows=as_rows))
+                meta.row_prefill_chunks += 1
+                meta.row_prefill_tokens += n
             q_start += n
-        return row_tables
+        meta.varlen = self._varlen(meta.prefills, pack.tables, q_start - first)
+
+    def _varlen(self, seqs: list[PrefillSeq], tables: list[np.ndarray], num_tokens: int) -> VarlenPrefill:
+        """The chunks' lengths and one block table, sent to the device in a single copy."""
+        n = len(seqs)
+        q_lens = np.fromiter((s.q_len for s in seqs), dtype=np.int64, count=n)
+        k_lens = q_lens + np.fromiter((s.ctx_len for s in seqs), dtype=np.int64, count=n)
+        width = max(len(t) for t in tables)
+        # One int32 buffer: cu_seqlens_q [n + 1], cu_seqlens_k [n + 1], seq_lens_k [n], table [n, width].
+        buf = np.zeros(3 * n + 2 + n * width, dtype=np.int64)
+        np.cumsum(q_lens, out=buf[1 : n + 1])
+        np.cumsum(k_lens, out=buf[n + 2 : 2 * n + 2])
+        buf[2 * n + 2 : 3 * n + 2] = k_lens
+        table = buf[3 * n + 2 :].reshape(n, width)
+        for row, blocks in enumerate(tables):
+            table[row, : len(blocks)] = blocks
+        self._check_blocks(table)
+        dev = self._to_device(buf, torch.int32)
+        return VarlenPrefill(
+            cu_seqlens_q=dev[: n + 1],
+            cu_seqlens_k=dev[n + 1 : 2 * n + 2],
+            seq_lens_k=dev[2 * n + 2 : 3 * n + 2],
+            block_table=dev[3 * n + 2 :].view(n, width),
+            max_q_len=int(q_lens.max()),
+            max_k_len=int(k_lens.max()),
+            num_tokens=num_tokens,
+        )
 
     def _row_prefill_meta(
-        self,
-        row_idx: list[np.ndarray],
-        row_tables: list[tuple[np.ndarray, int]],
-        positions: np.ndarray,
-        meta: AttentionMetadata,
+        self, tables: list[np.ndarray], positions: np.ndarray, meta: AttentionMetadata
     ) -> None:
-        rows = np.concatenate(row_idx)
-        lens = positions[rows] + 1  # each query token sees its prefix and itself
-        table = np.zeros((len(rows), max(len(t) for t, _ in row_tables)), dtype=np.int64)
+        """Decode-row metadata of the leading ``row_prefill_chunks`` chunks: each query token is a
+        row over its chunk's blocks, as long as its position plus one."""
+        lo = meta.num_decode
+        rows = meta.prefills[: meta.row_prefill_chunks]
+        lens = positions[lo : lo + meta.row_prefill_tokens] + 1  # each token sees its prefix and itself
+        table = np.zeros((len(lens), max(len(t) for t in tables)), dtype=np.int64)
         at = 0
-        for blocks, count in row_tables:
-            table[at : at + count, : len(blocks)] = blocks
-            at += count
-        meta.row_prefill_idx = self._to_device(rows, torch.int64)
+        for seq, blocks in zip(rows, tables):
+            table[at : at + seq.q_len, : len(blocks)] = blocks
+            at += seq.q_len
         meta.row_prefill_table = self._to_device(table, torch.int32)
         meta.row_prefill_lens = self._to_device(lens, torch.int32)
         meta.row_prefill_max_len = int(lens.max())
@@ -208,7 +237,7 @@ class _Packing:
     tokens: list[np.ndarray] = field(default_factory=list)
     positions: list[np.ndarray] = field(default_factory=list)
     slots: list[np.ndarray] = field(default_factory=list)
-    row_idx: list[np.ndarray] = field(default_factory=list)
+    tables: list[np.ndarray] = field(default_factory=list)  # per prefill chunk: the blocks it reads
 
 
 def _logits_rows(

@@ -6,9 +6,9 @@ read in place through the block table.  Only the decode half is flash's:
 
 * **KV store**: flash-attn has no stand-alone store, so :func:`store_kv_for` picks an existing one:
   the Triton kernel where Triton runs on the device, else the torch reference.
-* **Prefill** stays on the existing path of :mod:`cbgen.model.attention` (per-chunk SDPA, gathering
-  the cached context when there is one); the attention metadata has no prefill hook to plug
-  ``flash_attn_varlen_func`` into.
+* **Prefill**: every chunk of a step in one ``flash_attn_varlen_func`` call per layer, reading the
+  cache in place through its ``block_table`` argument (:func:`varlen_prefill_attention`), where the
+  installed flash-attn takes one; else the backend falls back to the Triton varlen kernel.
 
 flash-attn 2 facts this module relies on (``csrc/flash_attn/flash_api.cpp`` and
 ``flash_attn/flash_attn_interface.py``, checked for v2.6.0 - v2.8.3 and the main branch):
@@ -24,6 +24,14 @@ flash-attn 2 facts this module relies on (``csrc/flash_attn/flash_api.cpp`` and
   zeros (and the split-K combine turns all ``-inf`` partial LSEs into zero weights), so padding rows
   come out as zeros, as the Triton kernel's do.  Only the first ``cdiv(seq_len, kBlockN)`` tiles
   are read, so block-table entries past a row's length are never dereferenced.
+* ``flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, ...,
+  block_table=)``: with a block table, ``k``/``v`` are the paged caches and ``cu_seqlens_k`` the
+  cumulative key lengths (context plus chunk); causal masks align to the bottom right, so query
+  ``j`` of a chunk of ``n`` sits at ``seq_len_k - n + j``, the contract of
+  :mod:`cbgen.model.kernels.reference.varlen`; the decode window mapping (:func:`_window`) holds
+  for each query at its own position.  Older releases lack the ``block_table`` parameter, so
+  :func:`_probe` looks for it by name rather than by version.  ``varlen_fwd`` needs int32
+  ``cu_seqlens`` and a block table with a unit inner stride, and applies the same page-size rule.
 * Releases up to 2.8.3 do no host synchronisation in ``fwd_kvcache``, so decode steps can be
   captured in CUDA graphs.  The main branch after 2.8.3 (flash-attn PR #2711, reporting 2.8.4)
   added ``seqlens_k.max().item()`` for paged caches: a device-to-host copy that fails inside a
@@ -32,6 +40,7 @@ flash-attn 2 facts this module relies on (``csrc/flash_attn/flash_api.cpp`` and
 
 from __future__ import annotations
 
+import inspect
 import logging
 from dataclasses import dataclass
 
@@ -39,6 +48,7 @@ import torch
 
 from cbgen.model.kernels.arg_checks import check_decode
 from cbgen.model.kernels.reference import paged_ops
+from cbgen.model.kernels.reference.varlen import check_varlen
 
 log = logging.getLogger("cbgen")
 
@@ -53,6 +63,8 @@ __all__ = [
     "store_kv",
     "store_kv_for",
     "unavailable_reason",
+    "varlen_available",
+    "varlen_prefill_attention",
 ]
 
 # flash-attn 2 only pages KV in blocks that are a multiple of this many tokens.
@@ -72,6 +84,7 @@ class _Flash:
     fn: object | None
     version: str | None
     error: str | None
+    varlen: object | None = None  # flash_attn_varlen_func, when it takes a block table
 
 
 def _parse_version(text: str | None) -> tuple[int, ...] | None:
@@ -99,7 +112,17 @@ def _probe() -> _Flash:
     if parsed is None or parsed < MIN_VERSION:
         need = ".".join(map(str, MIN_VERSION))
         return _Flash(None, version, f"flash-attn {version} is installed; cbgen needs >= {need}")
-    return _Flash(fn, version, None)
+    return _Flash(fn, version, None, _paged_varlen(flash_attn))
+
+
+def _paged_varlen(module: object) -> object | None:
+    """``flash_attn_varlen_func`` if this flash-attn's takes a ``block_table``, else None."""
+    fn = getattr(module, "flash_attn_varlen_func", None)
+    try:
+        params = inspect.signature(fn).parameters if fn is not None else {}
+    except (TypeError, ValueError):  # a compiled function without a readable signature
+        return None
+    return fn if "block_table" in params else None
 
 
 _FLASH = _probe()
@@ -279,3 +302,57 @@ def store_kv(
 ) -> None:
     """Same contract as :func:`cbgen.model.kernels.reference.paged_ops.store_kv`, through :func:`store_kv_for`."""
     store_kv_for(key.device)(key, value, k_cache, v_cache, slot_mapping)
+
+
+def varlen_available() -> bool:
+    """Whether the installed flash-attn attends paged varlen prefill (see :func:`_paged_varlen`)."""
+    return _FLASH.varlen is not None
+
+
+def varlen_prefill_attention(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    scale: float,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    *,
+    max_q_len: int,
+    max_k_len: int,
+) -> torch.Tensor:
+    """Every prefill chunk of a step in one ``flash_attn_varlen_func`` call over the paged cache; the
+    contract of :func:`cbgen.model.kernels.reference.varlen.varlen_prefill_attention`, with the key
+    lengths given as ``cu_seqlens_k`` (cumulative, ``[N + 1]`` int32) and the longest chunk and key
+    run as host ints.  Returns ``[Tq, H, D]`` in ``query.dtype``."""
+    fn = _FLASH.varlen
+    if fn is None:
+        raise RuntimeError(
+            f"flash-attn {_FLASH.version or '(not installed)'} has no paged flash_attn_varlen_func"
+        )
+    check_varlen(query, k_cache, v_cache, block_table, cu_seqlens_q, cu_seqlens_k[1:])
+    if query.shape[0] == 0:
+        return torch.empty_like(query)
+    out_dtype = query.dtype
+    if query.dtype != k_cache.dtype:
+        query = query.to(k_cache.dtype)
+    kwargs = {}
+    if softcap is not None:
+        kwargs["softcap"] = float(softcap)
+    out = fn(
+        query,
+        k_cache,
+        v_cache,
+        cu_seqlens_q,
+        cu_seqlens_k,
+        int(max_q_len),
+        int(max_k_len),
+        softmax_scale=float(scale),
+        causal=True,
+        window_size=_window(sliding_window),  # with causal, flash pins the right edge to 0
+        block_table=block_table,
+        **kwargs,
+    )
+    return out if out.dtype == out_dtype else out.to(out_dtype)
