@@ -23,7 +23,7 @@ Admission and backpressure:
   bound a request raises :class:`QueueFullError`; a request that could never fit raises ValueError.
 * each stream buffers at most ``stream_buffer`` undelivered outputs: past that its request is
   paused (the scheduler preempts it, keeping its tokens) until the consumer has read most of them.
-* ``fairness`` turns on the scheduler's fair policy (:class:`~cbgen.core.scheduler.Fairness`);
+* ``fairness`` turns on the scheduler's fair policy (:class:`~cbgen.core.fairness.Fairness`);
   ``add_request(job=...)`` puts several requests in one job, e.g. the prompts of one HTTP request.
 """
 
@@ -42,7 +42,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from cbgen.core.admission import Admission, QueueFullError
-from cbgen.core.scheduler import Fairness
+from cbgen.core.fairness import Fairness
 from cbgen.core.stats import EngineStats
 from cbgen.engine import Engine
 from cbgen.inputs import as_token_ids

@@ -13,7 +13,7 @@ import uvicorn
 
 from cbgen import envs
 from cbgen.async_engine import AsyncEngine
-from cbgen.core.scheduler import Fairness
+from cbgen.core.fairness import Fairness
 from cbgen.server.connections import (
     ConnectionGuard,
     ConnectionLimits,
