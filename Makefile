@@ -24,6 +24,10 @@ TEST_ENV ?= OMP_WAIT_POLICY=PASSIVE
 # the summary lists which native paths (C, AVX-512, AVX512-BF16, AMX) ran.  Paths this CPU lacks
 # are skipped by name.  REQUIRE_KERNELS= turns it off.
 REQUIRE_KERNELS ?= CBGEN_REQUIRE_KERNELS=1
+# `make test` installs every extra (trl, llguidance, openai, uvicorn, ray, triton), so a missing one is
+# a broken install: the tests that need it fail naming it instead of skipping (tests/extras.py).
+# REQUIRE_EXTRAS= lets them skip, for a leaner venv.
+REQUIRE_EXTRAS ?= CBGEN_REQUIRE_EXTRAS=1
 SERVE_ARGS ?=
 # --cold-start adds the end-to-end time (process start -> all outputs, per engine) to the report.
 BENCH_ARGS ?= --suite default --cold-start
@@ -73,16 +77,21 @@ demo: $(VENV)/.installed
 test: test-suite test-asan
 
 test-suite: $(VENV)/.installed-test
-	$(REQUIRE_KERNELS) $(TEST_ENV) $(PY) -m pytest $(PYTEST_ARGS)
+	$(REQUIRE_KERNELS) $(REQUIRE_EXTRAS) $(TEST_ENV) $(PY) -m pytest $(PYTEST_ARGS)
 
 # The C kernels' tests again, against a build with AddressSanitizer: an out-of-bounds access aborts
 # the run with a report instead of returning wrong numbers.  Python is not instrumented, so the
-# sanitizer runtime (and libstdc++, whose exceptions it intercepts) is preloaded.
+# sanitizer runtime (and libstdc++, whose exceptions it intercepts) is preloaded.  test_sanitizer.py
+# proves the build is instrumented (a bypassed argument check must abort with the report); the gemv
+# and greedy kernels' tests live with their callers, so they are named here one by one.
 CC ?= cc
-ASAN_TESTS ?= tests/model/test_arg_checks.py tests/model/test_cpu_kernels.py tests/model/test_cpu_panel.py \
-	tests/model/test_fused_decode.py
+ASAN_TESTS ?= tests/model/test_sanitizer.py tests/model/test_arg_checks.py tests/model/test_cpu_kernels.py \
+	tests/model/test_cpu_panel.py tests/model/test_fused_decode.py \
+	tests/model/test_gemm_choice.py::test_gemv_kernel \
+	tests/model/test_gemm_choice.py::test_engine_with_gemv_for_single_rows_equals_generate \
+	tests/sample/test_sampler.py::test_cpu_greedy_kernel_matches_general_path
 test-asan: $(VENV)/.installed-test
-	$(REQUIRE_KERNELS) CBGEN_SANITIZE=address ASAN_OPTIONS=detect_leaks=0 \
+	$(REQUIRE_KERNELS) $(REQUIRE_EXTRAS) CBGEN_SANITIZE=address ASAN_OPTIONS=detect_leaks=0 \
 	LD_PRELOAD="$$($(CC) -print-file-name=libasan.so) $$($(CC) -print-file-name=libstdc++.so)" \
 	$(TEST_ENV) $(PY) -m pytest -q --capture=sys $(ASAN_TESTS)
 

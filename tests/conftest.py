@@ -11,15 +11,27 @@ error instead of turning the kernel tests into skips.  The terminal summary says
 
 ``@pytest.mark.cuda`` marks a test that needs a CUDA device with compiled (not interpreted) Triton
 kernels: ``CBGEN_TEST_CUDA=1 pytest -m cuda`` on a GPU machine (``benchmarks/gpu_check.py`` does).
+
+**Hermetic kernel choice.**  The run builds its C kernels into, and measures its GEMM choices in, a
+directory of its own (``CBGEN_KERNEL_DIR``, made when this file is imported, before anything builds;
+subprocesses inherit it; removed at the end), never ``~/.cache/cbgen``: a choice timed by an earlier
+run or by the user's engines cannot change which GEMM a test runs.  Tests that claim a GEMM force it
+(``CBGEN_GEMM``); the summary lists the GEMM candidates the exactness tests ran and the choices
+measured during the run, so two runs can be compared.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 from collections import Counter
 from pathlib import Path
 
 import pytest
+
+# This run's own kernel and GEMM-choice directory (module docstring), before anything can build.
+os.environ["CBGEN_KERNEL_DIR"] = tempfile.mkdtemp(prefix="cbgen-test-kernels-")
 
 # Triton decides between compiling and interpreting when a kernel is first decorated, and other
 # tests (torch.compile) may import triton before the kernel tests do.  CI has no GPU, so every
@@ -30,10 +42,13 @@ if os.environ.get("CBGEN_TEST_CUDA") != "1":
 import native_paths
 import oracle
 
+_KERNEL_DIR = os.environ["CBGEN_KERNEL_DIR"]
+
 # Per native path: outcomes of the tests marked with it, and which paths each test id covers.
 _OUTCOMES: dict[str, Counter] = {path: Counter() for path in native_paths.PATHS}
 _PATHS_OF: dict[str, tuple[str, ...]] = {}
 _SKIPPED_FOR: dict[str, tuple[str, ...]] = {}  # test id -> the missing paths it was skipped for
+_GEMMS = native_paths.GemmCoverage()
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -78,10 +93,32 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
             paths = _SKIPPED_FOR[report.nodeid]  # not a skip of the paths this machine has
         for path in paths:
             _OUTCOMES[path][report.outcome] += 1
+    if report.when == "call":
+        for name, value in report.user_properties:
+            if name == "gemm_ran":
+                _GEMMS.add(value, report.outcome)
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:
-    """Which native paths this run exercised: the claim a green run makes about the C kernels."""
+    """Which native paths and GEMMs this run exercised: the claim a green run makes about the C
+    kernels."""
+    _native_summary(terminalreporter)
+    if _GEMMS.ran:
+        terminalreporter.section("GEMM candidates run by the exactness tests (forced via CBGEN_GEMM)")
+        for line in _GEMMS.lines():
+            terminalreporter.write_line(line)
+    measured = native_paths.measured_gemm_choices(_KERNEL_DIR)
+    if measured:
+        terminalreporter.section("GEMM choices measured in this run (single, decode, prefill)")
+        for line in measured:
+            terminalreporter.write_line(line)
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    shutil.rmtree(_KERNEL_DIR, ignore_errors=True)
+
+
+def _native_summary(terminalreporter) -> None:
     outcomes = _OUTCOMES
     if not any(outcomes.values()):
         return

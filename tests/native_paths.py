@@ -14,9 +14,12 @@ same flags; AMX also needs the kernel to grant the tile state, which only a call
 from __future__ import annotations
 
 import functools
+import json
 import shutil
 import subprocess
-from dataclasses import dataclass
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
 
 PATHS: dict[str, str] = {
     "c": "C kernels",
@@ -83,3 +86,42 @@ def states() -> dict[str, PathState]:
     else:
         result["amx"] = PathState(False, "the OS did not grant this process the AMX tile state")
     return result
+
+
+@dataclass
+class GemmCoverage:
+    """Which GEMM candidates the exactness tests ran, and how (``tests/test_wide_exactness.py``
+    records ``(dtype, forced GEMM, what ran)`` per test as the ``gemm_ran`` user property): the
+    summary that lets two runs be compared path by path."""
+
+    ran: dict[tuple[str, str], set[str]] = field(default_factory=dict)
+    outcomes: dict[tuple[str, str], Counter] = field(default_factory=dict)
+
+    def add(self, record: tuple[str, str, list[str]], outcome: str) -> None:
+        """One test's record and its outcome."""
+        dtype, gemm, ran = record
+        self.ran.setdefault((dtype, gemm), set()).update(ran)
+        self.outcomes.setdefault((dtype, gemm), Counter())[outcome] += 1
+
+    def lines(self) -> list[str]:
+        """One line per (dtype, forced GEMM): test outcomes, then each candidate's row classes."""
+        out = []
+        for key in sorted(self.ran):
+            tally = ", ".join(f"{n} {o}" for o, n in sorted(self.outcomes[key].items()))
+            dtype, gemm = key
+            out.append(f"{dtype:9} {gemm:14} {tally:10} {'; '.join(sorted(self.ran[key]))}")
+        return out
+
+
+def measured_gemm_choices(kernel_dir: str | Path) -> list[str]:
+    """The GEMM choices engines measured during this run (``gemm-choice.json`` in the run's kernel
+    directory), one line per dtype and projection shapes' key."""
+    try:
+        stored = json.loads((Path(kernel_dir) / "gemm-choice.json").read_text())
+    except (OSError, ValueError):
+        return []
+    return [
+        f"{entry.get('dtype', '?'):15} {key}: "
+        + ", ".join(f"{c} {entry.get(c)}" for c in ("single", "decode", "prefill"))
+        for key, entry in sorted(stored.items())
+    ]

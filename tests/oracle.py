@@ -18,7 +18,10 @@ diverging one and continues from there, and cbgen's remaining tokens are held to
 so every token of the run under test is checked (a second divergence is a second near-tie).
 
 Rules: :data:`FP32` (relative gap < 1e-5, at most one per test) and :data:`BF16` (see
-:func:`bf16_tolerance` for the margin and :data:`BF16_NEAR_TIE_SHARE` for the bound).
+:func:`bf16_tolerance` for the margin and :data:`BF16_NEAR_TIE_SHARE` for the bound).  :data:`BF16`
+compares two bf16 computations with each other (the fused against the module path); bf16 results
+are held to the exact reference, the float32 forward of the same weights, by
+``tests/bf16_reference.py`` under a bound derived from bf16 rounding.
 """
 
 from __future__ import annotations

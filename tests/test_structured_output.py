@@ -15,14 +15,15 @@ import re
 import pytest
 import torch
 
-pytest.importorskip("llguidance")
-
 from cbgen import LLM, SamplingParams
 from cbgen.sample.structured.llguidance_backend import LLGuidanceBackend
 from cbgen.structured_params import StructuredOutputParams
+from extras import require_extra
 from structured_helpers import PERSON_SCHEMA, schema_errors
 from tiny_models import make_model, make_prompts
 from tiny_tokenizer import make_tokenizer
+
+require_extra("llguidance")  # cbgen's backend imports without it; the tests need it
 
 EOS = 2
 # Every string bounded and no free-form keys: a random model must still finish within max_tokens.

@@ -75,3 +75,39 @@ def make_prompts(
         length = lo + (hi - lo) * i // max(n - 1, 1)
         out.append(torch.randint(3, vocab, (length,), generator=g).tolist())
     return out
+
+
+# Wide enough that every projection group reaches the packing threshold (``packed_linears.py``
+# ``_PACK_MIN_ELEMS``, 65,536 weights: o_proj is 256 x 256), so the packed and panel GEMMs, the fused
+# forward and the one-call C decode step run as they do on a real model.  Still ~2.5M parameters.
+WIDE_COMMON = dict(
+    COMMON,
+    vocab_size=1024,
+    hidden_size=256,
+    intermediate_size=1024,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=64,
+)
+# Per-architecture settings of the wide models (replacing ARCHS' narrow head_dim 16).  Windows are
+# shorter than the tests' longest sequences, so the sliding layers really slide.
+WIDE_ARCHS: dict[str, dict] = {
+    "llama": {},
+    "qwen2": {},  # q/k/v biases (Qwen2's default)
+    "qwen3": {},  # q/k norms
+    "qwen3_moe": {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 256},
+    "mistral": {"sliding_window": 32},
+    "gemma2": {"sliding_window": 32, "query_pre_attn_scalar": 64},
+    "phi3": {},
+    "olmo2": {},
+}
+
+
+def make_wide_model(
+    arch: str, seed: int = 0, dtype: torch.dtype = torch.float32, **overrides
+) -> torch.nn.Module:
+    """A randomly initialised wide causal LM of ``arch`` (:data:`WIDE_ARCHS`) in eval mode."""
+    extra = {k: v for k, v in ARCHS[arch][1].items() if k != "head_dim"}
+    return make_model(
+        arch, seed=seed, dtype=dtype, **{**WIDE_COMMON, **extra, **WIDE_ARCHS[arch], **overrides}
+    )

@@ -7,7 +7,9 @@ import threading
 
 import pytest
 
-ray = pytest.importorskip("ray")
+from extras import require_extra
+
+ray = require_extra("ray")
 
 from cbgen import LLM, SamplingParams  # noqa: E402
 from cbgen.distributed import EnginePool  # noqa: E402

@@ -90,6 +90,7 @@ def test_packed_grouped_projections_match_module_path(monkeypatch) -> None:
     )
     if not fused_decode.PackedLinears(torch.float32).enabled:
         pytest.skip("this torch build has no MKL packed GEMM, so nothing is packed or grouped")
+    monkeypatch.setenv("CBGEN_GEMM", "mkl_packed")  # the GEMM this test claims, not a timing's pick
     prompts = make_prompts(64, lengths=(3, 40))
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=5)
     groups, served = [], set()

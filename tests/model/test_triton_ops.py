@@ -11,9 +11,6 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import pytest
-
-pytest.importorskip("triton")
-
 import torch
 from paged_cases import (
     CHUNKS,
@@ -33,8 +30,11 @@ from cbgen import LLM, SamplingParams
 from cbgen.model.kernels.reference import paged_ops, varlen
 from cbgen.model.kernels.triton import ops as triton_ops
 from cbgen.model.kernels.triton import prefill as triton_prefill
+from extras import require_extra
 from oracle import compare, hf_greedy
 from tiny_models import make_model, make_prompts
+
+require_extra("triton")  # cbgen's Triton modules import without it; the kernels need it
 
 pytestmark = pytest.mark.skipif(
     not triton_ops._interpreting(), reason="compiled Triton (CBGEN_TEST_CUDA=1) cannot take CPU tensors"

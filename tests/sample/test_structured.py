@@ -14,6 +14,7 @@ from cbgen.sample.sampler import Sampler
 from cbgen.sample.structured import BACKENDS, StructuredOutputs
 from cbgen.sampling_params import SamplingParams
 from cbgen.structured_params import StructuredOutputParams
+from extras import require_extra
 from tiny_tokenizer import make_tokenizer
 
 V = 100
@@ -159,7 +160,7 @@ def test_sampler_without_structured_fails_the_rows():
 
 def test_llguidance_on_the_tiny_tokenizer_wider_logits():
     """Logits wider than the vocabulary (padding columns) are never allowed."""
-    pytest.importorskip("llguidance")
+    require_extra("llguidance")
     tok = make_tokenizer()
     so = StructuredOutputs(tok, 512, [2])
     req = Request("r", [5, 6], SamplingParams(structured_output={"choice": ["yes", "no"]}), frozenset({2}))

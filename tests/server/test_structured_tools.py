@@ -20,9 +20,11 @@ import time
 import pytest
 import torch
 
-pytest.importorskip("llguidance")
-openai = pytest.importorskip("openai")
-uvicorn = pytest.importorskip("uvicorn")
+from extras import require_extra
+
+require_extra("llguidance")
+openai = require_extra("openai")
+uvicorn = require_extra("uvicorn")
 
 from cbgen import LLM  # noqa: E402
 from cbgen.async_engine import AsyncEngine  # noqa: E402
