@@ -16,7 +16,10 @@ Each step:
    spent on "old" log-probabilities, and on the first epoch the importance ratio is 1 up to rounding,
    which the script measures and reports.
 
-Run ``python examples/grpo_tiny.py --steps 40`` (``--help`` for the knobs).  It prints the mean reward
+Run ``python examples/grpo_tiny.py --steps 40`` (``--help`` for the knobs).  With ``--parity`` the
+engine runs in parity mode and the trainer's forwards inside ``cbgen.parity(policy)``: the
+behaviour log-probabilities then equal the trainer's exactly, and the ratio on fresh rollouts is
+exactly 1 (``max |ratio-1| 0.0e+00``).  It prints the mean reward
 per step, saves the reward curve as a PNG and exits non-zero unless the reward clearly rose.
 
 Data parallel: ``torchrun --nproc-per-node 2 examples/grpo_tiny.py --steps 30``.  Every rank holds a
@@ -28,6 +31,7 @@ and the gradients are averaged across ranks; the logged reward is the mean over 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import random
 import sys
 import time
@@ -36,9 +40,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 import transformers
 
+import cbgen
 from cbgen import LLM, SamplingParams
 
 PAD, BOS, EOS = 0, 1, 2
@@ -61,6 +65,9 @@ class GRPOConfig:
     clip_eps: float = 0.2
     ppo_epochs: int = 4  # updates per batch of rollouts: later epochs are off-policy, hence the clip
     release_kv: bool = False  # free the KV cache while training (what a GPU run short of memory does)
+    # Trainer parity: the engine runs with batch_invariant=True and the trainer's forwards inside
+    # cbgen.parity(policy), so on fresh rollouts the importance ratio is exactly 1.
+    parity: bool = False
     out: Path | None = DEFAULT_OUT
     log: bool = True
 
@@ -139,7 +146,8 @@ def completion_logprobs(
     """The trainer's log-probabilities of each completion token: ``[B, T]`` values and a ``[B, T]`` mask.
 
     One fp32 forward over right-padded ``prompt + completion`` rows.  Right padding needs no attention
-    mask: attention is causal, so pad tokens only ever follow the positions that are read.
+    mask: attention is causal, so pad tokens only ever follow the positions that are read.  The
+    log-softmax is ``cbgen.token_logprobs``, the function parity mode's engine reports with.
     """
     rows = [list(p) + list(c) for p, c in zip(prompts, completions)]
     width = max(map(len, rows))
@@ -152,8 +160,7 @@ def completion_logprobs(
     targets = torch.tensor([list(c) + [PAD] * (longest - len(c)) for c in completions])
     mask = torch.tensor([[j < len(c) for j in range(longest)] for c in completions])
     picked = logits.gather(1, positions[..., None].expand(-1, -1, logits.shape[-1]))
-    logp = F.log_softmax(picked, dim=-1).gather(-1, targets[..., None])[..., 0]
-    return logp, mask
+    return cbgen.token_logprobs(picked, targets), mask
 
 
 def group_advantages(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
@@ -230,7 +237,8 @@ def train(cfg: GRPOConfig) -> GRPOResult:
     optimizer = torch.optim.AdamW(policy.parameters(), lr=cfg.lr, weight_decay=0.0)
     # One engine for the whole run, sharing the trainer's module: nothing is copied or synced by hand.
     # Each rank seeds its own draws: the replicas must not sample the same completions.
-    llm = LLM(policy, block_size=8, num_blocks=128, seed=cfg.seed + rank)
+    llm = LLM(policy, block_size=8, num_blocks=128, seed=cfg.seed + rank, batch_invariant=cfg.parity)
+    forward_mode = (lambda: cbgen.parity(policy)) if cfg.parity else contextlib.nullcontext
     sampling = SamplingParams(n=cfg.group_size, temperature=1.0, max_tokens=cfg.max_tokens)
     result = GRPOResult()
 
@@ -251,11 +259,13 @@ def train(cfg: GRPOConfig) -> GRPOResult:
 
         ratio_error = float("nan")
         for epoch in range(cfg.ppo_epochs):
-            new_logp, mask = completion_logprobs(trainer, flat_prompts, completions)
+            with forward_mode():
+                new_logp, mask = completion_logprobs(trainer, flat_prompts, completions)
+                loss = ppo_clip_loss(new_logp, old_logp, advantages, mask, cfg.clip_eps)
             if epoch == 0:
-                # Same weights as the rollout: the ratio is 1 up to rounding (fp32 packed vs padded).
+                # Same weights as the rollout: the ratio is 1 up to rounding (fp32 packed vs padded),
+                # exactly 1 with --parity.
                 ratio_error = float(((new_logp.detach() - old_logp).exp() - 1).abs()[mask].max())
-            loss = ppo_clip_loss(new_logp, old_logp, advantages, mask, cfg.clip_eps)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             optimizer.step()
@@ -299,6 +309,11 @@ def main(argv: Sequence[str] | None = None) -> GRPOResult:
         "--out", type=Path, default=DEFAULT_OUT, help="reward-curve PNG (default %(default)s)"
     )
     parser.add_argument("--no-plot", action="store_true", help="do not write the PNG")
+    parser.add_argument(
+        "--parity",
+        action="store_true",
+        help="trainer parity: batch_invariant engine + cbgen.parity forwards (ratio exactly 1)",
+    )
     parser.add_argument("--release-kv", action="store_true", help="free the KV cache during each update")
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (default %(default)s)")
     parser.add_argument("--quiet", action="store_true", help="only print the summary")
@@ -310,6 +325,7 @@ def main(argv: Sequence[str] | None = None) -> GRPOResult:
         steps=args.steps,
         seed=args.seed,
         release_kv=args.release_kv,
+        parity=args.parity,
         out=None if args.no_plot else args.out,
         log=not args.quiet,
     )

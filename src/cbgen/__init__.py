@@ -3,12 +3,22 @@
 Public API only; everything else is an implementation detail.
 """
 
+from cbgen.batch_invariant import parity, token_logprobs
 from cbgen.config import EngineConfig
 from cbgen.llm import LLM
 from cbgen.outputs import CompletionOutput, RequestOutput
 from cbgen.sampling_params import SamplingParams
 
-__all__ = ["LLM", "AsyncEngine", "CompletionOutput", "EngineConfig", "RequestOutput", "SamplingParams"]
+__all__ = [
+    "LLM",
+    "AsyncEngine",
+    "CompletionOutput",
+    "EngineConfig",
+    "RequestOutput",
+    "SamplingParams",
+    "parity",
+    "token_logprobs",
+]
 __version__ = "0.1.0"
 
 

@@ -72,6 +72,9 @@ def _info(argv: list[str]) -> None:
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--device", default=None)
     parser.add_argument("--attention-backend", default="auto")
+    parser.add_argument(
+        "--batch-invariant", action="store_true", help="the parity plan (LLM(..., batch_invariant=True))"
+    )
     args = parser.parse_args(argv)
 
     from cbgen.config import EngineConfig
@@ -80,7 +83,8 @@ def _info(argv: list[str]) -> None:
 
     model, _ = load_model(args.model, dtype=args.dtype, device=args.device, tokenizer=False)
     try:
-        plan = plan_for_model(model, EngineConfig(attention_backend=args.attention_backend))
+        config = EngineConfig(attention_backend=args.attention_backend, batch_invariant=args.batch_invariant)
+        plan = plan_for_model(model, config)
     except ValueError as exc:
         sys.exit(f"cbgen info: {exc}")
     print(plan.report())

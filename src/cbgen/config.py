@@ -49,6 +49,11 @@ class EngineConfig:
     # under torch.distributed (the global rank of the tensor-parallel root), so replicas sample
     # differently while the ranks of one tensor-parallel group agree.
     seed: int | None = None
+    # Trainer parity (cbgen.batch_invariant): every generated token's raw_logprobs equal, bit for bit,
+    # cbgen.token_logprobs of the model's forward under ``cbgen.parity(model)``, whatever the batch,
+    # chunking, prefix-cache state or scheduling.  Slower: module forward, tiled matmuls, blocked
+    # attention (see docs/rl.md, "Trainer parity").
+    batch_invariant: bool = False
     # Tensor parallelism: how long a rank waits for its group's root at each exchange before it
     # fails with an error (a rank died or the ranks diverged) instead of hanging.
     distributed_timeout: float = 600.0

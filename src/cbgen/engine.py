@@ -100,6 +100,7 @@ class Engine:
             structured=self.structured,
             sync_free=self.plan.sampled_rows == "sync_free",
             greedy_kernel=self.plan.greedy_kernel(),
+            parity=self.plan.parity,
         )
         self.output_processor = OutputProcessor(tokenizer)
         self.weights = WeightWatcher(model)

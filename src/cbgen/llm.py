@@ -32,6 +32,10 @@ class LLM:
     tensor-parallel API on a module in memory), or a folder with ``tensor_parallel_size=N`` under
     ``torchrun``; every rank builds its ``LLM`` and calls it the same way (or only rank 0 adds
     requests and the others run ``llm.engine.follow()``).  See docs/distributed.md.
+
+    Trainer parity: ``batch_invariant=True`` makes every token's ``raw_logprobs`` equal, bit for
+    bit, ``cbgen.token_logprobs`` of the module's forward inside ``cbgen.parity(model)``, whatever
+    the batch, chunking or cache state (slower; see docs/rl.md, "Trainer parity").
     """
 
     def __init__(

@@ -314,3 +314,36 @@ def test_cbgen_info_prints_the_plan(tmp_path, capsys, dtype) -> None:
     cli_main(["info", str(folder), "--attention-backend", "torch"])
     out = capsys.readouterr().out
     assert "  forward        module" in out and "GEMM" not in out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_parity_plan(dtype) -> None:
+    """batch_invariant=True: one plan, whatever the model qualifies for: the module forward under the
+    parity attention, the torch sampler, no short prefill rows, eager or static decode steps."""
+    model = make_model("llama", dtype=dtype)
+    plan = _plan(model, batch_invariant=True)
+    assert plan.parity and (plan.attention, plan.forward, plan.greedy) == ("parity", "module", "torch")
+    assert (plan.decode_mode, plan.row_prefill_max, plan.gemms, plan.watch_structure) == (
+        "eager",
+        0,
+        None,
+        False,
+    )
+    assert plan.greedy_kernel() is None
+    assert plan.describe().startswith(f"LlamaForCausalLM on cpu, {str(dtype).removeprefix('torch.')}: parity")
+    assert _plan(model, batch_invariant=True, decode_mode="static").decode_mode == "static"
+    assert not _plan(model).parity
+    with pytest.raises(ValueError, match="graphs"):
+        _plan(model, batch_invariant=True, decode_mode="graphs")
+    with pytest.raises(ValueError, match="compile"):
+        _plan(model, batch_invariant=True, compile=True)
+
+
+def test_cbgen_info_prints_the_parity_plan(tmp_path, capsys) -> None:
+    folder = tmp_path / "tiny"
+    make_model("qwen3").save_pretrained(folder)
+    cli_main(["info", str(folder), "--batch-invariant"])
+    rows = {line.split()[0]: line.split()[1] for line in capsys.readouterr().out.splitlines()[1:]}
+    assert (
+        rows["parity"] == "batch-invariant" and rows["attention"] == "parity" and rows["forward"] == "module"
+    )

@@ -8,6 +8,9 @@
   interpreter on CPU).
 * :class:`FlashAttnBackend`: flash-attn's paged decode (:mod:`cbgen.model.kernels.flash.ops`), with the
   Triton store where Triton runs.
+* :class:`ParityBackend`: parity mode's batch-invariant attention (``batch_invariant=True``), the
+  trainer side's blocked core on keys gathered from the cache; chosen by the plan, not by
+  ``attention_backend``.
 
 Each holds its KV store and decode kernels, its prefill path (one call per layer for every chunk of
 a step: the torch SDPA strategies of :class:`cbgen.model.attention.AttentionBackend`, the C decode
@@ -23,6 +26,7 @@ from collections.abc import Callable
 
 import torch
 
+from cbgen.batch_invariant import paged as parity_paged
 from cbgen.model.attention import AttentionBackend, AttentionMetadata, VarlenPrefill
 from cbgen.model.kernels.cpu import ops as cpu_kernels
 
@@ -31,6 +35,7 @@ __all__ = [
     "CpuBackend",
     "FlashAttnBackend",
     "KernelBackend",
+    "ParityBackend",
     "TorchBackend",
     "TritonBackend",
     "backend_choice",
@@ -44,6 +49,57 @@ class TorchBackend(AttentionBackend):
     """The torch reference path: gathers each row's KV and runs SDPA (see the base class)."""
 
     name = "torch"
+
+
+class ParityBackend(AttentionBackend):
+    """Parity mode's attention (``batch_invariant=True``): every row through the blocked core of
+    :mod:`cbgen.batch_invariant.attention_core`, the trainer side's computation, on each sequence's
+    keys and values gathered from the paged cache by position (:mod:`cbgen.batch_invariant.paged`).
+    Decode rows and prefill chunks take the same path, so a token's attention does not depend on
+    how its context was computed, cached or batched."""
+
+    name = "parity"
+
+    def decode(
+        self,
+        meta: AttentionMetadata,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        scale: float,
+        sliding_window: int | None,
+        softcap: float | None,
+    ) -> torch.Tensor:
+        """Each decode row, at position ``seq_len - 1``, over its sequence's cached keys."""
+        return parity_paged.attend_decode(
+            q,
+            k_cache,
+            v_cache,
+            meta.decode_block_table,
+            meta.decode_seq_lens,
+            meta.decode_max_len,
+            scale,
+            sliding_window,
+            softcap,
+        )
+
+    def prefill(
+        self,
+        meta: AttentionMetadata,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        scale: float,
+        sliding_window: int | None,
+        softcap: float | None,
+        out: torch.Tensor,
+    ) -> None:
+        """Every prefill chunk, its queries at positions ``ctx_len ..``, over its cached keys."""
+        chunks = [(c.q_start, c.q_len, c.ctx_len) for c in meta.prefills]
+        table = meta.varlen.block_table
+        parity_paged.attend_chunks(q, k_cache, v_cache, chunks, table, scale, sliding_window, softcap, out)
 
 
 class KernelBackend(AttentionBackend):
@@ -437,6 +493,8 @@ def make_backend(name: str, device: torch.device) -> AttentionBackend:
         return FlashAttnBackend(device)
     if name == "torch":
         return TorchBackend()
+    if name == "parity":
+        return ParityBackend()
     raise ValueError(f"unknown attention backend {name!r}")
 
 

@@ -14,6 +14,9 @@ deciders that know each part:
 * the sampler's paths: the C kernel for batches of plain greedy rows, or torch; and whether sampled
   rows read values back from the device or never do.
 
+With ``batch_invariant=True`` the plan is the parity plan (:func:`_parity_plan`): the one set of
+paths whose results the trainer side (``cbgen.parity``) reproduces bit for bit.
+
 The engine logs the plan in one line (logger ``cbgen``), keeps it as ``engine.plan`` and builds the
 runner, its attention backend and the sampler from it; ``cbgen info MODEL`` prints it.  The runner,
 the fused forward and the sampler read the plan and choose nothing themselves.
@@ -112,6 +115,9 @@ class ExecutionPlan:
     config: EngineConfig = field(repr=False, compare=False)
     head_dim: int = field(repr=False, compare=False)
     gemm_shapes: tuple[tuple[int, int], ...] = field(default=(), repr=False, compare=False)
+    # Parity mode (``batch_invariant=True``): every forward runs under the parity dispatch mode and
+    # the sampler reports raw logprobs through cbgen.batch_invariant.token_logprobs.
+    parity: bool = False
 
     @property
     def compile(self) -> bool:
@@ -133,7 +139,8 @@ class ExecutionPlan:
     def _entries(self, per_class: bool = False) -> list[tuple[str, str, str]]:
         """(label, choice, reason) of every decision, in the order a step meets them; ``per_class``:
         the GEMM of each row class on an entry of its own."""
-        entries = [
+        entries = [("parity", "batch-invariant", _PARITY_WHY)] if self.parity else []
+        entries += [
             ("attention", self.attention, self.attention_why),
             ("forward", self.forward, self.forward_why),
         ]
@@ -187,6 +194,8 @@ def resolve_plan(
     device = torch.device(device)
     if head_dim is None:
         head_dim = KVGeometry.from_model(model, dtype).head_dim
+    if config.batch_invariant:
+        return _parity_plan(model, config, device, dtype, head_dim)
     attention, attention_why = backend_choice(
         config.attention_backend, device, dtype, block_size=config.block_size, head_dim=head_dim
     )
@@ -221,6 +230,55 @@ def resolve_plan(
         config=dataclasses.replace(config),
         head_dim=head_dim,
         gemm_shapes=shapes,
+    )
+
+
+_PARITY_WHY = "batch_invariant=True: raw logprobs equal cbgen.parity's trainer forward bit for bit"
+
+
+def _parity_plan(
+    model: nn.Module, config: EngineConfig, device: torch.device, dtype: torch.dtype, head_dim: int
+) -> ExecutionPlan:
+    """The parity plan: the one set of paths whose results the trainer side reproduces exactly (see
+    :mod:`cbgen.batch_invariant`).  Everything that changes a reduction order by batch, chunk or
+    cache state is off: the fused C forward and its packed GEMMs, the C attention and greedy
+    kernels, short prefill chunks as decode rows, CUDA graphs and ``torch.compile``."""
+    if config.compile:
+        raise ValueError("batch_invariant=True runs eagerly: compile=True is not supported with it")
+    if config.decode_mode == "graphs":
+        raise ValueError(
+            "batch_invariant=True supports decode_mode 'auto', 'eager' or 'static', not 'graphs'"
+        )
+    if config.decode_mode == "static":
+        decode_mode, decode_mode_why = "static", "requested"
+    else:
+        decode_mode, decode_mode_why = (
+            "eager",
+            "parity mode runs decode steps eagerly unless 'static' is asked",
+        )
+    sampled_rows, sampled_rows_why = _sampled_rows_choice(device)
+    return ExecutionPlan(
+        model=type(model).__name__,
+        device=device,
+        dtype=dtype,
+        attention="parity",
+        attention_why="parity mode: blocked attention over absolute key positions, the trainer's",
+        decode_mode=decode_mode,
+        decode_mode_why=decode_mode_why,
+        forward="module",
+        forward_why="parity mode: the trainer's module forward, under the parity dispatch mode",
+        gemms=None,
+        c_step=frozenset(),
+        c_step_why="not with the module forward",
+        greedy="torch",
+        greedy_why="parity mode: raw logprobs through cbgen.token_logprobs",
+        sampled_rows=sampled_rows,
+        sampled_rows_why=sampled_rows_why,
+        row_prefill_max=0,
+        watch_structure=False,
+        config=dataclasses.replace(config),
+        head_dim=head_dim,
+        parity=True,
     )
 
 

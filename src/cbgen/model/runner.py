@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterator
 
 import torch
 
+from cbgen.batch_invariant.dispatch import ParityOps
 from cbgen.model import attention
 from cbgen.model.backends import make_backend
 from cbgen.model.cpu_fast.fused_forward import FusedDecoder
@@ -205,6 +206,11 @@ class ModelRunner:
                 for module, flag in saved_training:
                     module.training = flag
 
+    def _parity_ops(self) -> contextlib.AbstractContextManager:
+        """The parity dispatch mode under the parity plan (the trainer side runs under the same
+        mode, :mod:`cbgen.batch_invariant`), else nothing."""
+        return ParityOps() if self.plan.parity else contextlib.nullcontext()
+
     @torch.inference_mode()
     def execute(self, batch: ModelInput) -> torch.Tensor:
         """Forward over the packed batch; returns logits ``[R, V]`` for ``batch.logits_indices``."""
@@ -220,7 +226,7 @@ class ModelRunner:
             # attention setting or on training mode (it computes the eval-mode math itself), and
             # that mode switch walks every module of the model (~1 ms a step for 30 layers).
             return self.fused.forward(batch.input_ids, batch.positions, batch.logits_indices, meta)
-        with self._paged_mode():
+        with self._paged_mode(), self._parity_ops():
             if self.static is not None and self.static.can_run(batch):
                 return self.static.run(batch)
             return self._forward(batch.input_ids, batch.positions, batch.logits_indices, meta)

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 
 import torch
 
+from cbgen.batch_invariant.logprobs import token_logprobs
 from cbgen.request import Request
 from cbgen.sample.batch_params import BatchParams, seeded_uniform
 from cbgen.sample.greedy import GreedyKernel, greedy_by_kernel, kernel_takes, sample_greedy_rows
@@ -74,6 +75,10 @@ class Sampler:
     ``greedy_kernel``: a kernel for batches of plain greedy rows (no penalties, processors or top
     logprobs) on the read-back path, the execution plan's choice (``ExecutionPlan.greedy_kernel()``:
     the C kernel on the CPU); None runs them through the general path.
+
+    ``parity`` (the parity plan, ``batch_invariant=True``): raw logprobs are
+    :func:`cbgen.batch_invariant.token_logprobs` of the logits, the function the trainer side uses,
+    so they equal its values bit for bit (the other outputs are computed as usual).
     """
 
     def __init__(
@@ -84,8 +89,10 @@ class Sampler:
         sync_free: bool | None = None,
         structured: StructuredOutputs | None = None,
         greedy_kernel: GreedyKernel | None = None,
+        parity: bool = False,
     ) -> None:
         self.vocab_size = vocab_size
+        self.parity = parity
         self.sync_free = sync_free
         self.greedy_kernel = greedy_kernel
         self.structured = structured
@@ -152,7 +159,10 @@ class Sampler:
         if params.greedy_rows:
             sample_greedy_rows(proc, step.proc_bmax, params, raw_lse, step.token, step.topk_ids, step.topk_lp)
         step.add_sampled_top_logprobs()
-        return step.output(raw_lse, failed)
+        out = step.output(raw_lse, failed)
+        if self.parity:
+            _parity_raw_logprobs(out, raw, params)
+        return out
 
     def _stage_0_1(
         self, logits: torch.Tensor, params: BatchParams, requests: Sequence[Request], failed: dict[int, str]
@@ -186,6 +196,16 @@ class Sampler:
                 failed[r] = "structured output is not available in this sampler"
             return
         self.structured.apply(proc, rows, requests, failed)
+
+
+def _parity_raw_logprobs(out: SamplerOutput, raw: torch.Tensor, params: BatchParams) -> None:
+    """Parity mode: raw logprobs (and a greedy row's kept mass, which equals them) through the
+    trainer side's function."""
+    raw_lp = token_logprobs(raw, out.device_token_ids).cpu()
+    out.raw_logprobs = raw_lp
+    if params.greedy_rows:
+        g = torch.tensor(params.greedy_rows, dtype=torch.int64)
+        out.log_kept_mass[g] = raw_lp[g]
 
 
 @dataclass

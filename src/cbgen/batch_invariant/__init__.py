@@ -1,0 +1,22 @@
+"""Trainer parity: generation whose ``raw_logprobs`` equal, bit for bit, the trainer's own forward.
+
+The engine side is ``LLM(..., batch_invariant=True)`` (the execution plan's parity plan,
+:mod:`cbgen.model.plan`); the trainer side is :func:`parity` and :func:`token_logprobs`, exported as
+``cbgen.parity`` and ``cbgen.token_logprobs`` (also ``cbgen.parity.token_logprobs``).  See
+docs/rl.md, "Trainer parity".
+
+Modules: :mod:`~cbgen.batch_invariant.dispatch` (the dispatch mode both sides run under),
+:mod:`~cbgen.batch_invariant.tiled_matmul` and :mod:`~cbgen.batch_invariant.lanes` (what it does
+to matrix products and transcendental functions), :mod:`~cbgen.batch_invariant.attention_core`
+(the attention both sides compute), :mod:`~cbgen.batch_invariant.trainer_attention` (its trainer
+side, registered with transformers), :mod:`~cbgen.batch_invariant.context` (the trainer context),
+:mod:`~cbgen.batch_invariant.logprobs` (the log-softmax both sides use).
+"""
+
+from cbgen.batch_invariant.context import parity
+from cbgen.batch_invariant.logprobs import token_logprobs
+
+# ``cbgen.parity.token_logprobs``: the helper next to the context it goes with.
+parity.token_logprobs = token_logprobs  # type: ignore[attr-defined]
+
+__all__ = ["parity", "token_logprobs"]

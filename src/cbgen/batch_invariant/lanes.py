@@ -1,0 +1,37 @@
+"""Elementwise transcendental ops evaluated the same way for every element, whatever the tensor's size.
+
+torch's CPU elementwise loops run the vectorised kernel (Sleef) over whole vectors and a scalar one
+(libm) over the last few elements of each thread's chunk; the two can differ in the last bit, so an
+element's ``silu`` or ``cos`` depends on where it sits in the tensor, hence on the batch.  Here every
+call runs on one thread (chunks below torch's parallel grain) over whole vectors only (sizes padded to
+:data:`LANE_MULTIPLE`), so each element goes through the vectorised kernel: its result depends on its
+own value alone.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+# A multiple of twice the widest vector torch uses (AVX-512: 16 float32 lanes, 32 bfloat16), so no
+# element ever reaches the scalar tail of the vectorised loop.
+LANE_MULTIPLE = 64
+# Below torch's parallel grain (at::internal::GRAIN_SIZE, 32768): one thread, one chunk per call.
+CHUNK = 32768 - LANE_MULTIPLE
+
+
+def lanewise(op: Callable[..., torch.Tensor], x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+    """``op(x, *args, **kwargs)`` for an elementwise ``op``, with every element computed by the
+    vectorised kernel (see the module docstring).  Off the CPU the op runs as it is (GPU kernels
+    have no scalar tail)."""
+    if x.device.type != "cpu" or not x.is_floating_point():
+        return op(x, *args, **kwargs)
+    n = x.numel()
+    if n % LANE_MULTIPLE == 0 and n <= CHUNK and x.is_contiguous():
+        return op(x, *args, **kwargs)
+    padded = -(-n // LANE_MULTIPLE) * LANE_MULTIPLE
+    buf = x.new_zeros(padded)
+    buf[:n] = x.reshape(-1)
+    out = torch.cat([op(buf[i : i + CHUNK], *args, **kwargs) for i in range(0, padded, CHUNK)])
+    return out[:n].view(x.shape)

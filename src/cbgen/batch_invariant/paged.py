@@ -1,0 +1,92 @@
+"""The engine side of parity attention: each sequence's keys and values gathered from the paged
+cache by position, and the blocked core (:mod:`cbgen.batch_invariant.attention_core`) run on them.
+
+Prefill chunks differ in length; one call padded to the longest would compute up to several times
+the work, and one call per chunk pays a fixed cost per chunk.  Chunks of similar size share a call
+(:func:`chunk_groups`); the core's result for a query does not depend on what shares its call.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from cbgen.batch_invariant.attention_core import blocked_attention
+
+# A group of chunks may cost at most this much more than its chunks alone (padded rows and keys).
+_PADDING_SLACK = 1.5
+
+
+def by_position(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
+    """Each row's first ``length`` cached tokens, ``[B, length, Hkv, D]``, index = position."""
+    num_rows, width = block_table.shape
+    blocks = cache[block_table.long()]
+    return blocks.view(num_rows, width * cache.shape[1], cache.shape[2], cache.shape[3])[:, :length]
+
+
+def chunk_groups(sizes: list[tuple[int, int]]) -> list[list[int]]:
+    """Indices of chunks ``(q_len, key_len)`` in groups whose padded cost stays within
+    :data:`_PADDING_SLACK` of their own, by increasing key length."""
+    order = sorted(range(len(sizes)), key=lambda i: (sizes[i][1], sizes[i][0]))
+    groups: list[list[int]] = []
+    work = 0
+    for i in order:
+        group = groups[-1] if groups else None
+        if group is not None:
+            q_max = max(sizes[j][0] for j in [*group, i])
+            padded = (len(group) + 1) * q_max * sizes[i][1]
+            if padded <= _PADDING_SLACK * (work + sizes[i][0] * sizes[i][1]):
+                group.append(i)
+                work += sizes[i][0] * sizes[i][1]
+                continue
+        groups.append([i])
+        work = sizes[i][0] * sizes[i][1]
+    return groups
+
+
+def attend_chunks(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    chunks: list[tuple[int, int, int]],
+    block_table: torch.Tensor,
+    scale: float,
+    sliding_window: int | None,
+    softcap: float | None,
+    out: torch.Tensor,
+) -> None:
+    """Prefill chunks ``(q_start, q_len, ctx_len)`` of the packed queries ``q [T, H, D]``, row ``i`` of
+    ``block_table`` for chunk ``i``, attended into ``out [T, H, D]``."""
+    for group in chunk_groups([(n, ctx + n) for _, n, ctx in chunks]):
+        longest = max(chunks[i][1] for i in group)
+        length = max(chunks[i][1] + chunks[i][2] for i in group)
+        rows = torch.full((len(group), longest), -1, dtype=torch.long)
+        pos = torch.full((len(group), longest), -1, dtype=torch.long)
+        for g, i in enumerate(group):
+            start, n, ctx = chunks[i]
+            rows[g, :n] = torch.arange(start, start + n)
+            pos[g, :n] = torch.arange(ctx, ctx + n)
+        rows, pos = rows.to(q.device), pos.to(q.device)
+        table = block_table[torch.tensor(group, device=block_table.device)]
+        keys, values = by_position(k_cache, table, length), by_position(v_cache, table, length)
+        # Padding rows repeat row 0 at position -1: their output is 0 and dropped.
+        res = blocked_attention(q[rows.clamp(min=0)], keys, values, pos, scale, sliding_window, softcap)
+        real = rows >= 0
+        out[rows[real]] = res[real]
+
+
+def attend_decode(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    max_len: int,
+    scale: float,
+    sliding_window: int | None,
+    softcap: float | None,
+) -> torch.Tensor:
+    """Decode rows ``q [B, H, D]``, row ``b`` at position ``seq_lens[b] - 1`` (a padding row of a
+    fixed-shape step has length 0: output 0), over its first ``seq_lens[b]`` cached tokens."""
+    q_pos = (seq_lens.to(torch.long) - 1)[:, None]
+    keys, values = by_position(k_cache, block_table, max_len), by_position(v_cache, block_table, max_len)
+    return blocked_attention(q[:, None], keys, values, q_pos, scale, sliding_window, softcap)[:, 0]

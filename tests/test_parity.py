@@ -1,0 +1,300 @@
+"""Trainer parity (``batch_invariant=True`` + ``cbgen.parity``): every generated token's
+``raw_logprobs`` equal the trainer's forward bit for bit (``torch.equal``), whatever the batch,
+budget, prefix-cache state, preemption, n>1 forks, aborts and scheduling; a batch-invariance check;
+a negative control (the default mode differs, so the comparison can fail); gradients; and the
+building blocks' invariance (tiled matmuls, whole-vector transcendentals, the blocked attention).
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+import cbgen
+from cbgen import LLM, SamplingParams
+from cbgen.batch_invariant.attention_core import BLOCK, blocked_attention
+from cbgen.batch_invariant.dispatch import ParityOps
+from cbgen.batch_invariant.lanes import lanewise
+from cbgen.batch_invariant.paged import chunk_groups
+from tiny_models import ARCHS, make_model, make_prompts, make_wide_model
+
+Sample = tuple[list[int], list[int], list[float]]  # prompt, generated tokens, their raw logprobs
+
+
+def _model(arch: str, wide: bool, dtype: torch.dtype) -> torch.nn.Module:
+    return make_wide_model(arch, dtype=dtype) if wide else make_model(arch, dtype=dtype)
+
+
+def trainer_logprobs(
+    model: torch.nn.Module, samples: list[Sample], parity: bool = True
+) -> list[torch.Tensor]:
+    """The trainer's logprobs of each sample's tokens: one left-padded batch, one forward (inside
+    ``cbgen.parity`` unless ``parity`` is False: then the plain forward)."""
+    rows = [p + t for p, t, _ in samples]
+    width = max(map(len, rows))
+    ids = torch.zeros(len(rows), width, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, row in enumerate(rows):
+        ids[i, width - len(row) :] = torch.tensor(row)
+        mask[i, width - len(row) :] = 1
+    with torch.no_grad():
+        if parity:
+            with cbgen.parity(model):
+                logits = model(ids, attention_mask=mask).logits
+        else:
+            positions = (mask.cumsum(-1) - 1).clamp(min=0)
+            logits = model(ids, attention_mask=mask, position_ids=positions).logits
+    out = []
+    for i, (prompt, tokens, _) in enumerate(samples):
+        start = width - len(prompt) - len(tokens)
+        pos = torch.arange(start + len(prompt) - 1, width - 1)
+        out.append(cbgen.token_logprobs(logits[i, pos], torch.tensor(tokens)))
+    return out
+
+
+def mismatches(model: torch.nn.Module, samples: list[Sample], parity: bool = True) -> tuple[int, int]:
+    """(tokens whose raw logprob differs from the trainer's in any bit, tokens compared)."""
+    samples = [s for s in samples if s[1]]
+    bad = total = 0
+    for (_, tokens, raw), ref in zip(samples, trainer_logprobs(model, samples, parity)):
+        got = torch.tensor(raw, dtype=torch.float32)
+        assert got.shape == ref.shape
+        bad += int((got != ref).sum())
+        total += len(tokens)
+    return bad, total
+
+
+def _workload_prompts(rng: random.Random, count: int, vocab: int) -> list[list[int]]:
+    """Mixed lengths; some share prefixes of lengths that end mid-block (block size 8)."""
+    prefixes = [[rng.randrange(3, vocab) for _ in range(n)] for n in (13, 21, 30)]
+    prompts = []
+    for i in range(count):
+        tail = [rng.randrange(3, vocab) for _ in range(rng.randrange(1, 40))]
+        prompts.append(prefixes[(i // 2) % 3] + tail if i % 2 else tail + [rng.randrange(3, vocab)] * 2)
+    return prompts
+
+
+def _params(rng: random.Random, i: int) -> SamplingParams:
+    n = 2 if i % 5 == 0 else 1
+    if i % 3 == 0:
+        return SamplingParams(n=n, temperature=0.0, max_tokens=rng.randrange(3, 8))
+    return SamplingParams(n=n, temperature=1.0, top_k=50, seed=i, max_tokens=rng.randrange(3, 8))
+
+
+def run_workload(llm: LLM, prompts: list[list[int]], seed: int) -> list[Sample]:
+    """Adds every request (n>1 on some, greedy and seeded sampling), aborts one mid-way, steps to
+    the end; returns every sample with its tokens (aborted ones with what they had)."""
+    rng = random.Random(seed)
+    engine = llm.engine
+    ids = {engine.add_request(p, _params(rng, i)): p for i, p in enumerate(prompts)}
+    victim = next(iter(ids))
+    samples: list[Sample] = []
+
+    def collect(out) -> None:
+        for s in out.outputs:
+            samples.append((ids[out.request_id], list(s.token_ids), list(s.raw_logprobs)))
+
+    steps = 0
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.finished:
+                collect(out)
+        steps += 1
+        if steps == 3:
+            aborted = engine.abort(victim)
+            if aborted is not None:
+                collect(aborted)
+    return samples
+
+
+CASES = [(arch, False) for arch in ARCHS] + [("llama", True)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize(("arch", "wide"), CASES, ids=[a + ("-wide" if w else "") for a, w in CASES])
+def test_raw_logprobs_equal_trainer_bit_for_bit(arch: str, wide: bool, dtype: torch.dtype) -> None:
+    seed = sum(map(ord, arch)) + (7 if wide else 0) + (1 if dtype == torch.bfloat16 else 0)
+    rng = random.Random(seed)
+    model = _model(arch, wide, dtype)
+    vocab = model.config.vocab_size
+    llm = LLM(
+        model,
+        block_size=8,
+        num_blocks=14,  # 112 token slots for ~32 sequences of up to ~80 tokens: preemption
+        max_num_batched_tokens=rng.choice([24, 40, 64, 128]),
+        batch_invariant=True,
+        async_scheduling=dtype == torch.bfloat16,
+        decode_mode="static" if wide and dtype == torch.float32 else "auto",
+    )
+    prompts = _workload_prompts(rng, 32, vocab)
+    warm = run_workload(llm, prompts[:6], seed)  # warms the prefix cache
+    samples = run_workload(llm, prompts[:6] + prompts[6:], seed + 1)
+    stats = llm.engine.stats
+    assert stats.preemptions > 0 and stats.prefix_cache_hits > 0 and stats.requests_aborted > 0, stats
+    bad, total = mismatches(model, warm + samples)
+    assert total >= 32 * 3
+    assert bad == 0, f"{bad} of {total} tokens' raw logprobs differ from the trainer's"
+    # Another trainer batch (size, order, padding) gives the same bits.
+    assert mismatches(model, samples[::-3])[0] == 0
+
+
+def test_negative_control_default_mode_differs() -> None:
+    """The same comparison outside parity mode (default engine vs the plain forward) finds
+    differences: the parity test above can fail."""
+    found = []
+    for dtype in (torch.float32, torch.bfloat16):
+        model = make_wide_model("llama", dtype=dtype)
+        llm = LLM(model, block_size=8, num_blocks=256, max_num_batched_tokens=40)
+        prompts = make_prompts(24, (3, 60), vocab=model.config.vocab_size, seed=3)
+        samples = run_workload(llm, prompts, 5)
+        found.append(mismatches(model, samples, parity=False)[0])
+    assert sum(found) > 0, "default mode matched the plain forward everywhere: the control cannot fail"
+
+
+def _target_runs(llm: LLM, target: list[int], fillers: list[list[int]], params: SamplingParams):
+    """The target's (tokens, raw logprobs): alone, first of 64, last of 64, then again (cache hit)."""
+    runs = []
+    for batch in ([target], [target, *fillers], [*fillers, target], [target]):
+        outs = llm.generate(batch, params, use_tqdm=False)
+        out = outs[batch.index(target)]
+        runs.append((out.outputs[0].token_ids, out.outputs[0].raw_logprobs, out.num_cached_tokens))
+    return runs
+
+
+@pytest.mark.parametrize("kind", ["greedy", "seeded"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_batch_invariance(kind: str, dtype: torch.dtype) -> None:
+    model = make_wide_model("llama", dtype=dtype)
+    vocab = model.config.vocab_size
+    target = make_prompts(1, (45, 45), vocab=vocab, seed=11)[0]
+    fillers = make_prompts(63, (3, 30), vocab=vocab, seed=12)
+    params = (
+        SamplingParams(temperature=0.0, max_tokens=12)
+        if kind == "greedy"
+        else SamplingParams(temperature=1.0, seed=5, max_tokens=12)
+    )
+    llm = LLM(model, block_size=8, num_blocks=1024, max_num_batched_tokens=64, batch_invariant=True)
+    runs = _target_runs(llm, target, fillers, params)
+    assert runs[-1][2] > 0, "the last run should hit the prefix cache"
+    first_tokens, first_lp, _ = runs[0]
+    for tokens, lp, _ in runs[1:]:
+        assert tokens == first_tokens
+        assert torch.equal(torch.tensor(lp), torch.tensor(first_lp))
+
+
+def test_gradients_flow_and_match_default_backward() -> None:
+    model = make_model("qwen2")
+    model.train()
+    ids = torch.tensor(make_prompts(3, (10, 20), seed=4)[0])[None].repeat(2, 1)
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0
+
+    def grads(parity: bool) -> dict[str, torch.Tensor]:
+        model.zero_grad()
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        if parity:
+            with cbgen.parity(model):
+                logits = model(ids, attention_mask=mask).logits
+                loss = cbgen.parity.token_logprobs(logits[:, :-1], ids[:, 1:]).mul(mask[:, 1:]).sum()
+                loss.backward()
+        else:
+            logits = model(ids, attention_mask=mask, position_ids=positions).logits
+            cbgen.token_logprobs(logits[:, :-1], ids[:, 1:]).mul(mask[:, 1:]).sum().backward()
+        return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    # The forward with autograd recording (a training step's) gives the bits of a no_grad one.
+    with cbgen.parity(model):
+        recorded = model(ids, attention_mask=mask).logits
+        with torch.no_grad():
+            plain = model(ids, attention_mask=mask).logits
+    assert recorded.requires_grad and torch.equal(recorded.detach(), plain)
+    ref, got = grads(False), grads(True)
+    assert ref.keys() == got.keys() and len(got) > 10
+    for name in ref:
+        torch.testing.assert_close(got[name], ref[name], rtol=1e-3, atol=1e-4, msg=name)
+
+
+def test_context_leaves_model_and_torch_untouched() -> None:
+    model = make_model("gemma2")
+    ids = torch.tensor(make_prompts(1, (20, 20), seed=2))
+    impl = model.config._attn_implementation
+    with torch.no_grad():
+        before = model(ids).logits
+        with cbgen.parity(model):
+            inside = model(ids).logits
+        after = model(ids).logits
+    assert model.config._attn_implementation == impl
+    assert not model._forward_pre_hooks
+    assert torch.equal(before, after)
+    torch.testing.assert_close(inside, before, rtol=1e-4, atol=1e-4)
+    assert torch.utils._python_dispatch._get_current_dispatch_mode() is None
+
+
+def test_parity_plan_is_the_engines_plan() -> None:
+    llm = LLM(make_model("llama"), num_blocks=64, batch_invariant=True)
+    plan = llm.engine.plan
+    assert plan.parity and plan.attention == "parity" and plan.forward == "module"
+    assert plan.greedy == "torch" and plan.row_prefill_max == 0
+    assert "batch-invariant" in plan.report()
+
+
+# ------------------------------------------------------------------------------ building blocks
+def test_tiled_matmul_rows_do_not_depend_on_the_batch() -> None:
+    torch.manual_seed(0)
+    for dtype in (torch.float32, torch.bfloat16):
+        w = torch.randn(200, 333, dtype=dtype)
+        x = torch.randn(70, 333, dtype=dtype)
+        with ParityOps():
+            full = torch.nn.functional.linear(x, w)
+            rows = [torch.nn.functional.linear(x[i : i + 1], w) for i in (0, 17, 69)]
+        for row, i in zip(rows, (0, 17, 69)):
+            assert torch.equal(row[0], full[i])
+
+
+def test_lanewise_elements_do_not_depend_on_their_place() -> None:
+    torch.manual_seed(1)
+    x = torch.randn(40000) * 4
+    for op in (torch.exp, torch.nn.functional.silu, torch.tanh, torch.cos):
+        whole = lanewise(op, x)
+        for lo, hi in ((0, 1), (5, 37), (39990, 40000), (12345, 32800)):
+            assert torch.equal(lanewise(op, x[lo:hi]), whole[lo:hi])
+
+
+@pytest.mark.parametrize("window", [None, 9])
+def test_blocked_attention_ignores_padding_and_company(window: int | None) -> None:
+    torch.manual_seed(2)
+    seq = 2 * BLOCK + 5
+    k, v = torch.randn(1, seq, 2, 16), torch.randn(1, seq, 2, 16)
+    q = torch.randn(1, seq, 4, 16)
+    pos = torch.arange(seq)[None]
+    with ParityOps():
+        full = blocked_attention(q, k, v, pos, 0.25, window, 30.0)
+        # One query, keys padded far past it, next to another sequence.
+        pad_k = torch.cat([k, torch.randn(1, 3 * BLOCK, 2, 16)], 1)
+        pad_v = torch.cat([v, torch.randn(1, 3 * BLOCK, 2, 16)], 1)
+        other = torch.randn(1, pad_k.shape[1], 2, 16)
+        qi = torch.stack([q[0, 70:71], q[0, 3:4]])
+        pair = blocked_attention(
+            qi,
+            torch.cat([pad_k, other]),
+            torch.cat([pad_v, other]),
+            torch.tensor([[70], [3]]),
+            0.25,
+            window,
+            30.0,
+        )
+    assert torch.equal(pair[0, 0], full[0, 70])
+
+
+def test_prefill_chunk_groups_cover_every_chunk_once() -> None:
+    rng = random.Random(3)
+    sizes = [(n, n + rng.randrange(0, 200)) for n in (rng.randrange(1, 120) for _ in range(50))]
+    groups = chunk_groups(sizes)
+    assert sorted(i for g in groups for i in g) == list(range(50))
+    for g in groups:
+        work = sum(sizes[i][0] * sizes[i][1] for i in g)
+        padded = len(g) * max(sizes[i][0] for i in g) * max(sizes[i][1] for i in g)
+        assert padded <= 1.5 * work
+    assert len(groups) < 50  # similar chunks do share calls
