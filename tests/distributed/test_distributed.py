@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from dp_checks import check_dp_share, check_dp_split
 
 WORKER = Path(__file__).with_name("worker.py")
 LIMIT_S = 420
@@ -66,6 +67,10 @@ def test_kv_heads_that_do_not_divide_raise(ranks):
 def test_data_parallel_equals_one_engine_and_replicas_sample_differently(ranks):
     r0, r1 = _run(ranks, "dp")
     assert r0["dp"] == r1["dp"] == r0["alone"]
+    # The equality above holds by construction after an all-gather; the split is checked on what each
+    # rank's own engine ran before the gather.
+    shares = [check_dp_share(r["share"], max_tokens=10) for r in (r0, r1)]
+    check_dp_split(shares, r0["alone"])
     assert r0["unseeded"] != r1["unseeded"], "two replicas drew the same samples without a seed"
     assert r0["seeded"] == r1["seeded"], "a seeded request must not depend on the rank"
 

@@ -108,17 +108,44 @@ def scenario_bad_heads(out: Path, arch: str) -> dict:
     return {"error": None}
 
 
+def _record_local_work(llm) -> dict:
+    """Spies on this rank's engine: the prompts its ``add_request`` took and the outputs its own
+    ``generate`` returned, so the test sees each rank's share before the all-gather merges them."""
+    seen: dict = {"added": [], "local": []}
+    add_request, generate = llm.engine.add_request, llm.generate
+
+    def recording_add(prompt_ids, *args, **kwargs):
+        seen["added"].append(list(prompt_ids))
+        return add_request(prompt_ids, *args, **kwargs)
+
+    def recording_generate(prompts, *args, **kwargs):
+        outs = generate(prompts, *args, **kwargs)
+        seen["local"].extend(zip((list(p) for p in prompts), _tokens(outs)))
+        return outs
+
+    llm.engine.add_request, llm.generate = recording_add, recording_generate
+    return seen
+
+
 def scenario_dp(out: Path, arch: str) -> dict:
     path = _save_tiny(arch, out)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     llm = LLM(model, block_size=8)
     prompts = [*PROMPTS, [11, 12, 13], [14, 15], list(range(80, 90))]
+    assert len({tuple(p) for p in prompts}) == len(prompts)  # a prompt names its index below
+    seen = _record_local_work(llm)
+    tokens_before = llm.engine.stats.generated_tokens
     dp = _tokens(generate_dp(llm, prompts, GREEDY, use_tqdm=False))
+    share = {
+        "added": [prompts.index(p) for p in seen["added"]],
+        "local": {prompts.index(p): toks for p, toks in seen["local"]},
+        "generated_tokens": llm.engine.stats.generated_tokens - tokens_before,
+    }
     alone = _tokens(LLM(model, block_size=8).generate(prompts, GREEDY, use_tqdm=False))
     unseeded = SamplingParams(max_tokens=12, temperature=1.0, ignore_eos=True)
     sampled = _tokens(llm.generate([PROMPTS[1]], unseeded, use_tqdm=False))
     seeded = _tokens(llm.generate([PROMPTS[1]], dataclasses.replace(unseeded, seed=5), use_tqdm=False))
-    return {"dp": dp, "alone": alone, "unseeded": sampled, "seeded": seeded}
+    return {"dp": dp, "alone": alone, "share": share, "unseeded": sampled, "seeded": seeded}
 
 
 def scenario_driver(out: Path, arch: str) -> dict:

@@ -199,7 +199,7 @@ def test_stop_strings_and_vllm_extras(client):
 
 # ---------------------------------------------------------------------------------------------- (2) disconnects
 def test_disconnect_mid_stream_aborts_request(server, client):
-    wait_idle(server.url, 10)
+    tokens_before = wait_idle(server.url, 10)["cbgen_generation_tokens_total"]
     body = {
         "model": MODEL,
         "prompt": "Count to a thousand:",
@@ -217,20 +217,26 @@ def test_disconnect_mid_stream_aborts_request(server, client):
         lines = [next(events) for _ in range(6)]
         assert any(line.startswith("data: {") for line in lines)
         assert metrics(server.url)["cbgen_num_requests_running"] == 1
-    # The connection is closed now: the request must be aborted and its blocks freed within 2 s.
+    # The connection is closed now: the request must be aborted and its blocks freed.  What matters
+    # is the ordering, not a time: idle before its 400 tokens ran out (the token counter says so).
+    # 30 s only limits the wait; a steady run is idle in milliseconds (printed below).
     before = time.monotonic()
-    wait_idle(server.url, 2.0)
+    idle = wait_idle(server.url, 30.0)
+    assert idle["cbgen_generation_tokens_total"] < 400 + tokens_before, "the request ran to its end"
     print(f"\nstream disconnect -> idle in {time.monotonic() - before:.3f}s")
     r = client.completions.create(model=MODEL, prompt="Hello", max_tokens=3, extra_body={"ignore_eos": True})
     assert r.usage.completion_tokens == 3
 
 
 def test_disconnect_while_waiting_for_non_streaming_response(server):
-    wait_idle(server.url, 10)
+    tokens_before = wait_idle(server.url, 10)["cbgen_generation_tokens_total"]
     body = {"model": MODEL, "prompt": "Write a long essay:", "max_tokens": 500, "ignore_eos": True}
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(server.url + "/v1/completions", json=body, timeout=httpx.Timeout(10, read=1.0))
-    wait_idle(server.url, 2.0)
+    # Aborted when the client left: idle before its 500 tokens ran out (an ordering, by the token
+    # counter); 30 s only limits the wait.
+    idle = wait_idle(server.url, 30.0)
+    assert idle["cbgen_generation_tokens_total"] < 500 + tokens_before, "the request ran to its end"
 
 
 # ---------------------------------------------------------------------------------------------- (3) load
@@ -295,6 +301,8 @@ def test_load_64_concurrent_streaming_clients(server):
         f"TTFT p50 {p50 * 1000:.0f} ms, p99 {p99 * 1000:.0f} ms; /health during load: "
         f"max {max(probe_latencies) * 1000:.0f} ms over {len(probe_latencies)} probes"
     )
+    # A blocked event loop answers no probe until the load ends (tens of seconds here); 10 s is a
+    # margin a loaded 2-core machine keeps (a steady run's max is printed above).
     assert probe_latencies and max(probe_latencies) < 10.0
     after = wait_idle(server.url, 10)
     assert after["cbgen_generation_tokens_total"] - before["cbgen_generation_tokens_total"] == tokens

@@ -3,7 +3,8 @@ client, and raw sockets for what no well-behaved client does.
 
 Sized for CI by default (about three minutes on two cores); ``CBGEN_HOSTILE_FULL=1`` runs the sizes
 the issue names (5,000 half-open connections, 60 s of non-reading streams).  Each test prints its
-numbers; docs/server.md quotes a full run.
+numbers; docs/server.md quotes a full run.  Latency is held here by orderings and wide bounds a loaded
+2-core machine keeps; the tight latency claims are measured by ``benchmarks/server_latency.py``.
 """
 
 from __future__ import annotations
@@ -169,7 +170,10 @@ def test_half_open_connections_leave_health_fast_and_the_log_quiet(hostile):
         f"probes (slowest at {[f'{t:.1f}s: {lat * 1000:.0f}ms' for t, lat in slowest]}); closed by the server "
         f"{closed} of {opened}; events {events}; log +{growth} bytes"
     )
-    assert max(latencies) < 1.0
+    # The probes answered during the flood, each on a new connection.  The bound is the header
+    # timeout: a server that waited on a half-open connection (issue #20: /health timing out) takes
+    # that long at least, while a steady run answers in milliseconds (docs/server.md: max 580 ms).
+    assert len(probes) >= 5 and max(latencies) < HEADER_TIMEOUT
     assert closed == opened == HALF_OPEN
     assert events["evicted"] + events["refused"] + events["header_timeout"] >= HALF_OPEN
     assert growth < 1 << 20
@@ -195,10 +199,10 @@ def test_monopolising_request_is_refused_and_its_allowed_form_does_not_starve_ot
     assert r.status_code == 400 and r.json()["error"]["code"] == "request_too_large"
     assert "3,072,000 token slots" in r.json()["error"]["message"]
     assert f"{REQUEST_WORK:,}" in r.json()["error"]["message"]
-    print(_best_of(3, lambda: _beside_the_monopoliser(hostile)))
+    print(_beside_the_monopoliser(hostile))
 
 
-def _beside_the_monopoliser(hostile) -> tuple[bool, str]:
+def _beside_the_monopoliser(hostile) -> str:
     url = hostile.url
     other = _client(hostile, OTHER_CLIENT)
     _small_request_seconds(other)  # warm
@@ -231,6 +235,7 @@ def _beside_the_monopoliser(hostile) -> tuple[bool, str]:
         loaded = [_small_request_seconds(other) for _ in range(7)]
         m = metrics(url)
         assert m["cbgen_num_requests_in_flight"] >= 8 and m["cbgen_num_requests_paused"] == 0
+        # The ordering that matters: every small request ended while the monopolising one still ran.
         assert hog.is_alive(), "the monopolising request ended before the measurement did"
     finally:
         received["stop"] = True
@@ -246,7 +251,11 @@ def _beside_the_monopoliser(hostile) -> tuple[bool, str]:
         f"{[round(x, 2) for x in after]}); beside {m['cbgen_num_requests_running']:.0f} running sequences of the "
         f"monopolising request: p50 {statistics.median(loaded):.2f} s {[round(x, 2) for x in loaded]} ({ratio:.2f}x)"
     )
-    return ratio <= 2.0, description
+    # A starved request waits behind 128 sequences x 524 tokens (minutes: a ratio in the hundreds);
+    # fair scheduling gives 1.4x here (docs/server.md).  10x is a margin a loaded 2-core machine keeps;
+    # the 2x claim is measured in a steady run and quoted in docs/server.md.
+    assert ratio <= 10.0, description
+    return description
 
 
 # ---------------------------------------------------------------------------------------------- (3) non-reading
@@ -321,25 +330,11 @@ def _megabyte_chat() -> bytes:
     return raw
 
 
-def _best_of(attempts: int, measure) -> list:
-    """Runs a latency measurement until it passes, at most ``attempts`` times: on a machine shared
-    with other work one slow phase must not fail a bound that holds whenever the box is steady.
-    ``measure()`` returns (passed, description); every attempt's description is kept."""
-    seen = []
-    for _ in range(attempts):
-        passed, description = measure()
-        seen.append(description)
-        if passed:
-            break
-    assert passed, f"not within the bound in {attempts} attempts: {seen}"
-    return seen
-
-
 def test_megabyte_chat_bodies_do_not_slow_other_clients(hostile):
-    print(_best_of(3, lambda: _megabyte_chat_bodies(hostile)))
+    print(_megabyte_chat_bodies(hostile))
 
 
-def _megabyte_chat_bodies(hostile) -> tuple[bool, str]:
+def _megabyte_chat_bodies(hostile) -> str:
     url = hostile.url
     wait_idle(url, 60)
     other = _client(hostile, OTHER_CLIENT)
@@ -364,13 +359,19 @@ def _megabyte_chat_bodies(hostile) -> tuple[bool, str]:
     flooder = threading.Thread(target=flood, daemon=True)
     flooder.start()
     try:
-        time.sleep(1.0)
+        deadline = time.monotonic() + 60
+        while len(sent) < 2:  # the flood is under way: bodies are being answered back to back
+            assert time.monotonic() < deadline and flooder.is_alive()
+            time.sleep(0.05)
+        sent_before = len(sent)
         loaded = [_small_request_seconds(other) for _ in range(7)]
         health = []
         for _ in range(10):
             start = time.perf_counter()
             assert httpx.get(url + "/health", timeout=10).status_code == 200
             health.append(time.perf_counter() - start)
+        # The ordering that matters: the small requests and probes ran between bodies still arriving.
+        assert len(sent) > sent_before and flooder.is_alive()
     finally:
         stop.set()
         flooder.join(120)
@@ -382,7 +383,12 @@ def _megabyte_chat_bodies(hostile) -> tuple[bool, str]:
         f"({ratio:.2f}x) beside {len(sent)} back-to-back 1 MB chat bodies (each answered in "
         f"{statistics.median(sent):.2f} s); /health max {max(health) * 1000:.0f} ms"
     )
-    return ratio <= 1.5 and max(health) < 0.5, description
+    # Bodies parsed where the engine or the event loop waits (issue #20) raised another client's p50
+    # 4.8x and made /health wait seconds; since the JSON child a steady run gives 1.23x and a 59 ms
+    # /health max (docs/server.md, which quotes the 1.5x claim from such a run).  3x and 5 s are
+    # margins a loaded 2-core machine keeps while the old failure still misses them.
+    assert ratio <= 3.0 and max(health) < 5.0, description
+    return description
 
 
 # ---------------------------------------------------------------------------------------------- (5) bad input
