@@ -28,19 +28,7 @@ import torch
 from cbgen.batch_invariant import trainer_attention
 from cbgen.batch_invariant.dispatch import ParityOps
 from cbgen.batch_invariant.trainer_attention import RowPositions
-
-
-def attention_configs(model: torch.nn.Module) -> list:
-    """Every config object an attention module of ``model`` reads its implementation from."""
-    configs: dict[int, object] = {}
-    root = getattr(model, "config", None)
-    if root is not None:
-        configs[id(root)] = root
-    for module in model.modules():
-        cfg = getattr(module, "config", None)
-        if cfg is not None and hasattr(cfg, "_attn_implementation_internal"):
-            configs[id(cfg)] = cfg
-    return list(configs.values())
+from cbgen.model.attention import attention_configs
 
 
 def _add_positions(_module: torch.nn.Module, args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict]:

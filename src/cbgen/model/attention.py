@@ -282,6 +282,20 @@ def _no_metadata_error() -> RuntimeError:
     )
 
 
+def attention_configs(model: torch.nn.Module) -> list:
+    """Every config object an attention module of ``model`` reads its implementation from (what
+    the runner and the parity context switch, and restore, around a forward)."""
+    configs: dict[int, object] = {}
+    root = getattr(model, "config", None)
+    if root is not None:
+        configs[id(root)] = root
+    for module in model.modules():
+        cfg = getattr(module, "config", None)
+        if cfg is not None and hasattr(cfg, "_attn_implementation_internal"):
+            configs[id(cfg)] = cfg
+    return list(configs.values())
+
+
 _registered = False
 
 

@@ -27,19 +27,6 @@ from cbgen.model.plan import ExecutionPlan, resolve_again
 log = logging.getLogger("cbgen")
 
 
-def _attention_configs(model: torch.nn.Module) -> list:
-    """Every config object an attention module reads its implementation from."""
-    configs: dict[int, object] = {}
-    root = getattr(model, "config", None)
-    if root is not None:
-        configs[id(root)] = root
-    for module in model.modules():
-        cfg = getattr(module, "config", None)
-        if cfg is not None and hasattr(cfg, "_attn_implementation_internal"):
-            configs[id(cfg)] = cfg
-    return list(configs.values())
-
-
 def model_forward(
     model: torch.nn.Module,
     input_ids: torch.Tensor,
@@ -90,7 +77,7 @@ class ModelRunner:
         self.kv_cache = kv_cache
         self.device = plan.device
         self.attn_name = attention.register()
-        self._configs = _attention_configs(model)
+        self._configs = attention.attention_configs(model)
         self._check_layers()
         self.attn_backend = backend = make_backend(plan.attention, plan.device)
         backend.check_geometry(kv_cache.block_size, kv_cache.geometry.head_dim)
