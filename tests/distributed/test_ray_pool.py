@@ -3,8 +3,6 @@ only its own requests, and the pool keeps serving with the other."""
 
 from __future__ import annotations
 
-import threading
-
 import pytest
 
 from extras import require_extra
@@ -47,9 +45,10 @@ def test_a_dying_actor_fails_only_its_requests(model_dir):
     prompts = make_prompts(40, lengths=(3, 40), vocab=300, seed=3)
     ref = _reference(model_dir, prompts)
     pool = EnginePool(2, str(model_dir), num_cpus=1, block_size=8, tokenizer=False, chunk_size=2)
+    # The victim dies as its first chunk is handed to it, so it certainly holds requests when it
+    # dies; a timer raced the pool on fast machines (a 0.5 s timer found all work already done).
     victim = pool.actors[1]
-    killer = threading.Timer(0.5, lambda: ray.kill(victim))
-    killer.start()
+    pool.actors[1] = _DiesAtFirstDispatch(victim)
     try:
         outs = pool.generate(prompts, SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True))
         failed = [i for i, o in enumerate(outs) if o.error is not None]
@@ -63,8 +62,20 @@ def test_a_dying_actor_fails_only_its_requests(model_dir):
         again = pool.generate(prompts[:6], GREEDY)  # the pool keeps serving with the survivor
         assert [o.outputs[0].token_ids for o in again] == ref[:6]
     finally:
-        killer.cancel()
         pool.shutdown()
+
+
+class _DiesAtFirstDispatch:
+    """An actor handle whose actor is killed when the pool first submits work to it (the submitted
+    chunks then fail as the work of a dying actor does)."""
+
+    def __init__(self, handle) -> None:
+        self.handle = handle
+        self.generate = self  # the pool calls actor.generate.remote(...)
+
+    def remote(self, *args, **kwargs):
+        ray.kill(self.handle)
+        return self.handle.generate.remote(*args, **kwargs)
 
 
 def _reference_long(path, prompts):
