@@ -29,6 +29,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from cbgen.batch_invariant.lanes import lanewise
+from cbgen.batch_invariant.packs import PanelPacks
 from cbgen.batch_invariant.tiled_matmul import tiled_bmm, tiled_grouped_mm, tiled_mm
 
 aten = torch.ops.aten
@@ -52,50 +53,50 @@ def _add_input(out: torch.Tensor, base: torch.Tensor, beta) -> torch.Tensor:
     return out + (base if beta == 1 else base * beta)
 
 
-def _mm_op(a, b):
-    return tiled_mm(_mm, a, b) if _float_2d(a, b) else aten.mm.default(a, b)
+def _mm_op(packs, a, b):
+    return tiled_mm(_mm, a, b, packs) if _float_2d(a, b) else aten.mm.default(a, b)
 
 
-def _mm_out(a, b, *, out):
-    return out.copy_(_mm_op(a, b))
+def _mm_out(packs, a, b, *, out):
+    return out.copy_(_mm_op(packs, a, b))
 
 
-def _addmm(base, a, b, *, beta=1, alpha=1):
+def _addmm(packs, base, a, b, *, beta=1, alpha=1):
     if not _float_2d(a, b):
         return aten.addmm.default(base, a, b, beta=beta, alpha=alpha)
-    return _add_input(_scale(tiled_mm(_mm, a, b), alpha), base, beta)
+    return _add_input(_scale(tiled_mm(_mm, a, b, packs), alpha), base, beta)
 
 
-def _bmm(a, b):
+def _bmm(packs, a, b):
     return tiled_bmm(_mm, a, b) if _float_2d(a, b) else aten.bmm.default(a, b)
 
 
-def _baddbmm(base, a, b, *, beta=1, alpha=1):
+def _baddbmm(packs, base, a, b, *, beta=1, alpha=1):
     if not _float_2d(a, b):
         return aten.baddbmm.default(base, a, b, beta=beta, alpha=alpha)
     return _add_input(_scale(tiled_bmm(_mm, a, b), alpha), base, beta)
 
 
-def _grouped_mm(a, b, offs=None, bias=None, out_dtype=None):
+def _grouped_mm(packs, a, b, offs=None, bias=None, out_dtype=None):
     out = tiled_grouped_mm(_mm, a, b, offs)
     if bias is not None:
         out = out + bias
     return out if out_dtype is None else out.to(out_dtype)
 
 
-def _linear(x, weight, bias=None):
+def _linear(packs, x, weight, bias=None):
     if not _float_2d(x, weight):
         return aten.linear.default(x, weight, bias)
-    out = tiled_mm(_mm, x.reshape(-1, x.shape[-1]), weight.t())
+    out = tiled_mm(_mm, x.reshape(-1, x.shape[-1]), weight.t(), packs)
     if bias is not None:
         out = out + bias
     return out.view(*x.shape[:-1], weight.shape[0])
 
 
-def _matmul(a, b):
+def _matmul(packs, a, b):
     # Under inference mode aten.matmul reaches the mode whole; the shapes models use it for.
     if _float_2d(a, b) and b.dim() == 2 and a.dim() >= 2:
-        return tiled_mm(_mm, a.reshape(-1, a.shape[-1]), b).view(*a.shape[:-1], b.shape[-1])
+        return tiled_mm(_mm, a.reshape(-1, a.shape[-1]), b, packs).view(*a.shape[:-1], b.shape[-1])
     if _float_2d(a, b) and a.dim() == b.dim() >= 3 and a.shape[:-2] == b.shape[:-2]:
         flat = tiled_bmm(_mm, a.reshape(-1, *a.shape[-2:]), b.reshape(-1, *b.shape[-2:]))
         return flat.view(*a.shape[:-1], b.shape[-1])
@@ -105,7 +106,7 @@ def _matmul(a, b):
 
 
 def _lanewise(op: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
-    def run(x, *args, **kwargs):
+    def run(_packs, x, *args, **kwargs):
         return lanewise(op, x, *args, **kwargs)
 
     return run
@@ -131,14 +132,20 @@ def _in_backward() -> bool:
 
 class ParityOps(TorchDispatchMode):
     """Batch-invariant matrix products and transcendental functions for the ops run while it is
-    entered (``with ParityOps(): ...``), on this thread (see the module docstring)."""
+    entered (``with ParityOps(): ...``), on this thread (see the module docstring).  ``packs``: the
+    engine's packed weights (:class:`cbgen.batch_invariant.packs.PanelPacks`); without them each
+    product packs its weight for the call, with the same result."""
+
+    def __init__(self, packs: PanelPacks | None = None) -> None:
+        super().__init__()
+        self.packs = packs
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         handler = _HANDLERS.get(func)
         # Backward passes (a graph task running) need no invariance: their real kernels are faster.
         if handler is None or _in_backward():
             return func(*args, **(kwargs or {}))
-        return handler(*args, **(kwargs or {}))
+        return handler(self.packs, *args, **(kwargs or {}))
 
 
 def handled_ops() -> list[str]:

@@ -1,7 +1,9 @@
-"""The engine side of parity attention: each sequence's keys and values gathered from the paged
-cache by position, and the blocked core (:mod:`cbgen.batch_invariant.attention_core`) run on them.
+"""The engine side of parity attention.
 
-Prefill chunks differ in length; one call padded to the longest would compute up to several times
+Where :func:`cbgen.batch_invariant.native.native` says so, every row of a step goes through the C
+parity attention straight from the paged cache (one call for all prefill chunks, one for the decode
+rows).  Elsewhere each sequence's keys and values are gathered from the cache by position and the
+blocked core (:mod:`cbgen.batch_invariant.attention_core`) runs on them; prefill chunks differ in length; one call padded to the longest would compute up to several times
 the work, and one call per chunk pays a fixed cost per chunk.  Chunks of similar size share a call
 (:func:`chunk_groups`); the core's result for a query does not depend on what shares its call.
 """
@@ -11,6 +13,8 @@ from __future__ import annotations
 import torch
 
 from cbgen.batch_invariant.attention_core import blocked_attention
+from cbgen.batch_invariant.native import native
+from cbgen.model.kernels.cpu.parity import parity_attention
 
 # A group of chunks may cost at most this much more than its chunks alone (padded rows and keys).
 _PADDING_SLACK = 1.5
@@ -56,6 +60,17 @@ def attend_chunks(
 ) -> None:
     """Prefill chunks ``(q_start, q_len, ctx_len)`` of the packed queries ``q [T, H, D]``, row ``i`` of
     ``block_table`` for chunk ``i``, attended into ``out [T, H, D]``."""
+    if native(q.device, q.dtype) and k_cache.dtype == q.dtype:
+        rows = torch.cat([torch.arange(start, start + n) for start, n, _ in chunks])
+        row_seq = torch.cat([torch.full((n,), i, dtype=torch.long) for i, (_, n, _) in enumerate(chunks)])
+        row_pos = torch.cat([torch.arange(ctx, ctx + n) for _, n, ctx in chunks])
+        zeros = torch.zeros(block_table.shape[0], dtype=torch.long)
+        table = block_table.to(torch.int32)
+        res = parity_attention(
+            q[rows], k_cache, v_cache, table, zeros, row_seq, row_pos, scale, sliding_window, softcap
+        )
+        out[rows] = res
+        return
     for group in chunk_groups([(n, ctx + n) for _, n, ctx in chunks]):
         longest = max(chunks[i][1] for i in group)
         length = max(chunks[i][1] + chunks[i][2] for i in group)
@@ -87,6 +102,20 @@ def attend_decode(
 ) -> torch.Tensor:
     """Decode rows ``q [B, H, D]``, row ``b`` at position ``seq_lens[b] - 1`` (a padding row of a
     fixed-shape step has length 0: output 0), over its first ``seq_lens[b]`` cached tokens."""
+    if native(q.device, q.dtype) and k_cache.dtype == q.dtype:
+        rows = q.shape[0]
+        return parity_attention(
+            q,
+            k_cache,
+            v_cache,
+            block_table.to(torch.int32),
+            torch.zeros(block_table.shape[0], dtype=torch.long),
+            torch.arange(rows),
+            seq_lens.to(torch.long) - 1,
+            scale,
+            sliding_window,
+            softcap,
+        )
     q_pos = (seq_lens.to(torch.long) - 1)[:, None]
     keys, values = by_position(k_cache, block_table, max_len), by_position(v_cache, block_table, max_len)
     return blocked_attention(q[:, None], keys, values, q_pos, scale, sliding_window, softcap)[:, 0]

@@ -15,6 +15,8 @@ import torch
 from transformers import AttentionInterface
 
 from cbgen.batch_invariant.attention_core import blocked_attention
+from cbgen.batch_invariant.native import native
+from cbgen.model.kernels.cpu.parity import parity_attention
 
 ATTN_NAME = "cbgen_parity"
 
@@ -70,7 +72,73 @@ def parity_attention_forward(
         v_abs = v.new_zeros(v.shape).index_put((rows, slots), v[rows, cols])
         k, v = k_abs, v_abs
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    if native(q.device, q.dtype) and k.dtype == q.dtype:
+        return _NativeAttention.apply(q, k, v, pos, scale, sliding_window, softcap), None
     return blocked_attention(q, k, v, pos, scale, sliding_window, softcap), None
+
+
+class _NativeAttention(torch.autograd.Function):
+    """The C parity attention forward; a backward from a plain float32 recomputation (gradients need
+    no invariance, and the C kernel has no backward)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, pos, scale, sliding_window, softcap):
+        batch, length, heads, dim = q.shape
+        # The batch as a paged cache: one block per row, the row's keys at their absolute positions.
+        out = parity_attention(
+            q.reshape(batch * length, heads, dim),
+            k.contiguous(),
+            v.contiguous(),
+            torch.arange(batch, dtype=torch.int32)[:, None],
+            torch.zeros(batch, dtype=torch.long),
+            torch.arange(batch).repeat_interleave(length),
+            pos.reshape(-1).to(torch.long),
+            scale,
+            sliding_window,
+            softcap,
+        )
+        ctx.save_for_backward(q, k, v, pos)
+        ctx.settings = (scale, sliding_window, softcap)
+        return out.view(batch, length, heads, dim)
+
+    @staticmethod
+    def backward(ctx, grad):
+        q, k, v, pos = ctx.saved_tensors
+        with torch.enable_grad():
+            leaves = [t.detach().requires_grad_(t.requires_grad) for t in (q, k, v)]
+            out = reference_attention(*leaves, pos, *ctx.settings)
+            wanted = [t for t in leaves if t.requires_grad]
+            grads = iter(torch.autograd.grad(out, wanted, grad.to(out.dtype)))
+        return (*(next(grads) if t.requires_grad else None for t in leaves), None, None, None, None)
+
+
+def reference_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    pos: torch.Tensor,
+    scale: float,
+    sliding_window: int | None,
+    softcap: float | None,
+) -> torch.Tensor:
+    """Plain attention in float32 over keys laid out by position (``[B, L, H|Hkv, D]``, ``pos [B, L]``
+    with -1 for padding, as :func:`parity_attention_forward` passes them): what the parity kernels
+    compute, in no particular order; differentiable, for the backward pass."""
+    heads, kv_heads = q.shape[2], k.shape[2]
+    kf = k.float().repeat_interleave(heads // kv_heads, dim=2)
+    vf = v.float().repeat_interleave(heads // kv_heads, dim=2)
+    scores = torch.einsum("bihd,bjhd->bhij", q.float(), kf) * scale
+    if softcap:
+        scores = torch.tanh(scores / softcap) * softcap
+    length = pos.shape[1]
+    key_pos = torch.arange(length, device=pos.device)  # k and v are laid out by position
+    p = pos[:, None, :, None]
+    visible = (key_pos <= p) & (p >= 0)
+    if sliding_window:
+        visible = visible & (key_pos > p - sliding_window)
+    scores = scores.masked_fill(~visible, float("-inf"))
+    probs = torch.nan_to_num(torch.softmax(scores, dim=-1), nan=0.0)
+    return torch.einsum("bhij,bjhd->bihd", probs, vf).to(q.dtype)
 
 
 _registered = False

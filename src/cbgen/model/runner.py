@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterator
 import torch
 
 from cbgen.batch_invariant.dispatch import ParityOps
+from cbgen.batch_invariant.packs import PanelPacks
 from cbgen.model import attention
 from cbgen.model.backends import make_backend
 from cbgen.model.cpu_fast.fused_forward import FusedDecoder
@@ -106,6 +107,8 @@ class ModelRunner:
         """Runs what ``plan`` says from the next forward on."""
         self.plan = plan
         self.fused: FusedDecoder | None = None
+        # Parity mode's packed weights, made on first use and dropped on a weight change.
+        self.parity_packs = PanelPacks(self.model) if plan.parity else None
         if plan.forward == "fused":
             self.fused = FusedDecoder(self.model, self.attn_backend, plan.gemms, plan.c_step)
 
@@ -196,7 +199,7 @@ class ModelRunner:
     def _parity_ops(self) -> contextlib.AbstractContextManager:
         """The parity dispatch mode under the parity plan (the trainer side runs under the same
         mode, :mod:`cbgen.batch_invariant`), else nothing."""
-        return ParityOps() if self.plan.parity else contextlib.nullcontext()
+        return ParityOps(self.parity_packs) if self.plan.parity else contextlib.nullcontext()
 
     @torch.inference_mode()
     def execute(self, batch: ModelInput) -> torch.Tensor:
@@ -226,6 +229,8 @@ class ModelRunner:
             self._replan("the weights changed with the model's structure")
         elif self.fused is not None:
             self.fused.weights_changed()
+        if self.parity_packs is not None:
+            self.parity_packs.clear()
 
     def release(self) -> None:
         """Drops graphs, static buffers and packed weights (the KV cache is released by its owner)."""
@@ -233,6 +238,8 @@ class ModelRunner:
             self.static.release()
         if self.fused is not None:
             self.fused.weights_changed()
+        if self.parity_packs is not None:
+            self.parity_packs.clear()
 
     def resume(self) -> None:
         """Re-creates what :meth:`release` dropped."""

@@ -38,7 +38,15 @@ log = logging.getLogger("cbgen")
 _CSRC = Path(__file__).parent / "csrc"
 _SOURCES = [
     _CSRC / name
-    for name in ("cpu_paged.c", "cpu_fused.c", "cpu_gemm.c", "cpu_decoder.c", "cpu_gemv.c", "cpu_panel.c")
+    for name in (
+        "cpu_paged.c",
+        "cpu_fused.c",
+        "cpu_gemm.c",
+        "cpu_decoder.c",
+        "cpu_gemv.c",
+        "cpu_panel.c",
+        "cpu_parity.c",
+    )
 ]
 _HEADERS = [_CSRC / "cbgen_numerics.h"]
 # Which decode-attention loops cbgen_paged_decode runs (its ``impl`` argument).
@@ -131,6 +139,26 @@ def _build() -> ctypes.CDLL:
     lib.cbgen_gemv.argtypes = [ptr, i64, ptr, i64, ptr, ptr, i64, i64, i64, i64, i32]
     lib.cbgen_panel_pack.argtypes = [ptr, i64, i64, i64, i32, ptr, i64, i32]
     lib.cbgen_panel_gemm.argtypes = [ptr, i64, ptr, i64, ptr, ptr, i64, i64, i64, i64, i32, i32]
+    # q, q row/head stride, k, v, kv block/slot/head stride, num_blocks, block_size, table, its stride,
+    # width, rows, seq_start, row_seq, row_pos, out, out row stride, T, H, Hkv, D, scale, window,
+    # softcap, dtype
+    lib.cbgen_parity_attention.argtypes = [
+        ptr,
+        i64,
+        i64,
+        ptr,
+        ptr,
+        i64,
+        i64,
+        i64,
+        i64,
+        i64,
+        ptr,
+        i64,
+        i64,
+        i64,
+    ]
+    lib.cbgen_parity_attention.argtypes += [ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, f32, i64, f32, i32]
     lib.cbgen_decoder_layout.argtypes = [ctypes.POINTER(i64), ctypes.POINTER(i64)]
     lib.cbgen_decoder_layout.restype = ctypes.c_char_p
     for fn in (
@@ -144,6 +172,7 @@ def _build() -> ctypes.CDLL:
         lib.cbgen_gemv,
         lib.cbgen_panel_pack,
         lib.cbgen_panel_gemm,
+        lib.cbgen_parity_attention,
     ):
         fn.restype = i32
     return lib

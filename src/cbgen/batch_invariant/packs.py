@@ -1,0 +1,46 @@
+"""The engine's packed copies of a model's weights for parity mode's GEMM.
+
+Parity mode's matrix products are the panel GEMM (``csrc/cpu_panel.c``), which reads a weight packed
+into panels of 16 columns.  The trainer side packs each weight as it is used (a copy per call, small
+next to a training forward over thousands of rows, and no second copy of the model held).  The
+engine reuses the same weights for every step, so it keeps one packed copy per weight here, made on
+first use and dropped whenever the engine sees the weights change.  Packing is exact (bfloat16
+weights are widened, never rounded), so a packed copy gives the same bits as packing again.
+
+Only the model's own 2-D parameters are kept, found by their storage: an activation can never share
+a live parameter's address, so no other product can be served a stale copy.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from cbgen.model.kernels.cpu.panel import panel_pack
+
+
+class PanelPacks:
+    """Packed panels of ``model``'s 2-D floating-point parameters, by storage address."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model = model
+        self._params: dict[int, torch.Tensor] = {}
+        self._packed: dict[int, torch.Tensor] = {}
+        self.clear()
+
+    def clear(self) -> None:
+        """Drops every packed copy and re-reads the parameter list (after a weight change)."""
+        self._packed.clear()
+        self._params = {
+            p.data_ptr(): p for p in self.model.parameters() if p.dim() == 2 and p.is_floating_point()
+        }
+
+    def get(self, weight: torch.Tensor) -> torch.Tensor | None:
+        """The panels of ``weight`` (``[N, K]``) when it is one of the model's parameters, else None."""
+        key = weight.data_ptr()
+        param = self._params.get(key)
+        if param is None or param.shape != weight.shape or param.stride() != weight.stride():
+            return None
+        packed = self._packed.get(key)
+        if packed is None:
+            packed = self._packed[key] = panel_pack(weight.detach())
+        return packed

@@ -1,0 +1,140 @@
+"""Parity mode's CPU kernels: the matrix product (the panel GEMM of ``csrc/cpu_panel.c``) and a paged
+attention (``csrc/cpu_parity.c``) whose every output element is computed in one fixed order,
+whatever the batch, the tiling, the threads or the origin of the keys (see the C files).  Both sides of parity mode, the engine and
+``cbgen.parity(model)``, call these, so their results are equal bit for bit.
+
+The wrappers check shapes, dtypes, strides and devices here, and the C side checks every index
+(rows, positions, blocks) before touching memory.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from cbgen.model.kernels.cpu.ops import available, library
+from cbgen.model.kernels.cpu.panel import panel_available, panel_linear, panel_pack
+
+_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+_RC = {1: "rejected its sizes", 2: "was given an index out of range", 3: "could not allocate its scratch"}
+
+
+def parity_kernels_available(dtype: torch.dtype) -> bool:
+    """Whether the C parity kernels run here for ``dtype``: the kernels built, for a CPU with AVX2
+    and FMA (the panel GEMM's), float32 or bfloat16."""
+    return dtype in _DTYPES and available() and panel_available()
+
+
+def parity_linear(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | None = None) -> torch.Tensor:
+    """``x [M, K] @ weight [N, K]^T`` by the panel GEMM, from ``packed = panel_pack(weight)`` when
+    given, else packing ``weight`` for this call.  Each output element is one chain of fused
+    multiply-adds over k = 0, 1, ..., K - 1 in float32, whatever M (the panel kernel keeps one
+    accumulator lane per element and never splits K), rounded once to x's dtype."""
+    if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
+        raise ValueError(
+            f"parity_linear: expected x [M, K] and weight [N, K], got {tuple(x.shape)}, {tuple(weight.shape)}"
+        )
+    rows, k = x.shape
+    n = weight.shape[0]
+    if rows == 0 or n == 0 or k == 0:
+        return x.new_zeros(rows, n)
+    if packed is None:
+        packed = panel_pack(weight)
+    return panel_linear(x, packed, n)
+
+
+def _strides(t: torch.Tensor) -> list[int]:
+    """``t``'s strides with those of size-1 dimensions (which torch leaves arbitrary) replaced by the
+    packed value, so the kernel's layout checks see what the data actually needs."""
+    strides = list(t.stride())
+    for i in range(t.dim() - 1, -1, -1):
+        if t.shape[i] == 1:
+            strides[i] = 1 if i == t.dim() - 1 else strides[i + 1] * t.shape[i + 1]
+    return strides
+
+
+def _index(name: str, t: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    if t.shape != shape or t.device.type != "cpu" or t.dtype != dtype:
+        raise ValueError(
+            f"parity_attention: {name} must be a CPU {list(shape)} {dtype} tensor, got {t.dtype} {list(t.shape)}"
+        )
+    return t.contiguous()
+
+
+def parity_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_start: torch.Tensor,
+    row_seq: torch.Tensor,
+    row_pos: torch.Tensor,
+    scale: float,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+) -> torch.Tensor:
+    """Attention of query rows ``q [T, H, D]`` over paged keys and values ``[num_blocks, block_size,
+    Hkv, D]`` (one dtype, float32 or bfloat16): row ``t`` belongs to row ``row_seq[t]`` of
+    ``block_table [G, W]`` (int32) and sits at position ``row_pos[t]`` (-1: a padding row, output 0);
+    that row's key at position ``j`` is at index ``seq_start[g] + j`` of its blocks.  Causal, with an
+    optional sliding window and soft cap; returns ``[T, H, D]`` of q's dtype."""
+    if q.dim() != 3 or k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
+        raise ValueError(
+            f"parity_attention: expected q [T, H, D] and caches [blocks, size, Hkv, D], got {tuple(q.shape)}, {tuple(k_cache.shape)}"
+        )
+    t, h, d = q.shape
+    num_blocks, block_size, kv_heads, kd = k_cache.shape
+    dtype = q.dtype
+    if dtype not in _DTYPES or k_cache.dtype != dtype or v_cache.dtype != dtype or kd != d:
+        raise ValueError(
+            f"parity_attention: q and caches must share float32 or bfloat16 and head_dim, got {q.dtype}/{k_cache.dtype}, D {d}/{kd}"
+        )
+    for name, c in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
+        if c.device.type != "cpu" or (c.stride(-1) != 1 and d > 1):
+            raise ValueError(f"parity_attention: {name} must be on the CPU with contiguous head_dim")
+    q_strides, kv_strides = _strides(q), _strides(k_cache)
+    if kv_strides != _strides(v_cache):
+        raise ValueError("parity_attention: k_cache and v_cache must share strides")
+    if block_table.dim() != 2 or block_table.dtype != torch.int32 or block_table.device.type != "cpu":
+        raise ValueError(
+            f"parity_attention: block_table must be a CPU [G, W] int32 tensor, got {block_table.dtype} {list(block_table.shape)}"
+        )
+    block_table = block_table.contiguous()
+    groups, width = block_table.shape
+    seq_start = _index("seq_start", seq_start, (groups,), torch.int64)
+    row_seq = _index("row_seq", row_seq, (t,), torch.int64)
+    row_pos = _index("row_pos", row_pos, (t,), torch.int64)
+    out = torch.empty(t, h, d, dtype=dtype)
+    if t == 0:
+        return out
+    rc = library().cbgen_parity_attention(
+        q.data_ptr(),
+        q_strides[0],
+        q_strides[1],
+        k_cache.data_ptr(),
+        v_cache.data_ptr(),
+        kv_strides[0],
+        kv_strides[1],
+        kv_strides[2],
+        num_blocks,
+        block_size,
+        block_table.data_ptr(),
+        width,
+        width,
+        groups,
+        seq_start.data_ptr(),
+        row_seq.data_ptr(),
+        row_pos.data_ptr(),
+        out.data_ptr(),
+        h * d,
+        t,
+        h,
+        kv_heads,
+        d,
+        scale,
+        sliding_window or 0,
+        softcap or 0.0,
+        _DTYPES[dtype],
+    )
+    if rc:
+        raise ValueError(f"cbgen_parity_attention {_RC.get(rc, rc)} (T {t}, H {h}, Hkv {kv_heads}, D {d})")
+    return out
