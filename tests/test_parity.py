@@ -1,5 +1,7 @@
 """Trainer parity (``batch_invariant=True`` + ``cbgen.parity``): every generated token's
-``raw_logprobs`` equal the trainer's forward bit for bit (``torch.equal``), whatever the batch,
+``raw_logprobs`` equal the trainer's forward bit for bit (``torch.equal``), and its
+``token_logprobs`` equal ``cbgen.processed_logprobs`` of that forward with the kept-set record,
+whatever the batch,
 budget, prefix-cache state, preemption, n>1 forks, aborts and scheduling; a batch-invariance check;
 a negative control (the default mode differs, so the comparison can fail); gradients; and the
 building blocks' invariance (tiled matmuls, whole-vector transcendentals, the blocked attention).
@@ -8,6 +10,7 @@ building blocks' invariance (tiled matmuls, whole-vector transcendentals, the bl
 from __future__ import annotations
 
 import random
+from dataclasses import dataclass, field
 
 import pytest
 import torch
@@ -18,21 +21,31 @@ from cbgen.batch_invariant.attention_core import BLOCK, blocked_attention
 from cbgen.batch_invariant.dispatch import ParityOps
 from cbgen.batch_invariant.lanes import lanewise
 from cbgen.batch_invariant.paged import chunk_groups
+from extras import require_extra
 from tiny_models import ARCHS, make_model, make_prompts, make_wide_model
 
-Sample = tuple[list[int], list[int], list[float]]  # prompt, generated tokens, their raw logprobs
+
+@dataclass
+class Sample:
+    """One generated sample as the engine reported it."""
+
+    prompt: list[int]
+    tokens: list[int]
+    raw: list[float]
+    processed: list[float] = field(default_factory=list)
+    kept_counts: list[int] = field(default_factory=list)
+    params: SamplingParams | None = None
 
 
 def _model(arch: str, wide: bool, dtype: torch.dtype) -> torch.nn.Module:
     return make_wide_model(arch, dtype=dtype) if wide else make_model(arch, dtype=dtype)
 
 
-def trainer_logprobs(
-    model: torch.nn.Module, samples: list[Sample], parity: bool = True
-) -> list[torch.Tensor]:
-    """The trainer's logprobs of each sample's tokens: one left-padded batch, one forward (inside
-    ``cbgen.parity`` unless ``parity`` is False: then the plain forward)."""
-    rows = [p + t for p, t, _ in samples]
+def trainer_logits(model: torch.nn.Module, samples: list[Sample], parity: bool = True) -> list[torch.Tensor]:
+    """The trainer's logits that predict each sample's tokens (``[len(tokens), V]``): one
+    left-padded batch, one forward (inside ``cbgen.parity`` unless ``parity`` is False: then the
+    plain forward)."""
+    rows = [s.prompt + s.tokens for s in samples]
     width = max(map(len, rows))
     ids = torch.zeros(len(rows), width, dtype=torch.long)
     mask = torch.zeros_like(ids)
@@ -47,22 +60,36 @@ def trainer_logprobs(
             positions = (mask.cumsum(-1) - 1).clamp(min=0)
             logits = model(ids, attention_mask=mask, position_ids=positions).logits
     out = []
-    for i, (prompt, tokens, _) in enumerate(samples):
-        start = width - len(prompt) - len(tokens)
-        pos = torch.arange(start + len(prompt) - 1, width - 1)
-        out.append(cbgen.token_logprobs(logits[i, pos], torch.tensor(tokens)))
+    for i, s in enumerate(samples):
+        start = width - len(s.prompt) - len(s.tokens)
+        out.append(logits[i, start + len(s.prompt) - 1 : width - 1])
     return out
 
 
+def trainer_logprobs(
+    model: torch.nn.Module, samples: list[Sample], parity: bool = True
+) -> list[torch.Tensor]:
+    """The trainer's raw logprobs of each sample's tokens (see :func:`trainer_logits`)."""
+    logits = trainer_logits(model, samples, parity)
+    return [cbgen.token_logprobs(lg, torch.tensor(s.tokens)) for lg, s in zip(logits, samples)]
+
+
 def mismatches(model: torch.nn.Module, samples: list[Sample], parity: bool = True) -> tuple[int, int]:
-    """(tokens whose raw logprob differs from the trainer's in any bit, tokens compared)."""
-    samples = [s for s in samples if s[1]]
+    """(tokens whose raw or processed logprob differs from the trainer's in any bit, tokens compared).
+    The processed ones are rebuilt by ``cbgen.processed_logprobs`` from the kept-set record."""
+    samples = [s for s in samples if s.tokens]
     bad = total = 0
-    for (_, tokens, raw), ref in zip(samples, trainer_logprobs(model, samples, parity)):
-        got = torch.tensor(raw, dtype=torch.float32)
-        assert got.shape == ref.shape
-        bad += int((got != ref).sum())
-        total += len(tokens)
+    for s, logits in zip(samples, trainer_logits(model, samples, parity)):
+        tokens = torch.tensor(s.tokens)
+        raw_ref = cbgen.token_logprobs(logits, tokens)
+        got = torch.tensor(s.raw, dtype=torch.float32)
+        assert got.shape == raw_ref.shape
+        wrong = got != raw_ref
+        if s.params is not None:
+            proc_ref = cbgen.processed_logprobs(logits, tokens, s.params, s.kept_counts)
+            wrong |= torch.tensor(s.processed, dtype=torch.float32) != proc_ref
+        bad += int(wrong.sum())
+        total += len(s.tokens)
     return bad, total
 
 
@@ -77,10 +104,19 @@ def _workload_prompts(rng: random.Random, count: int, vocab: int) -> list[list[i
 
 
 def _params(rng: random.Random, i: int) -> SamplingParams:
+    """Greedy, and seeded sampling under every truncation (top-k, top-p, min-p, none) and bias."""
     n = 2 if i % 5 == 0 else 1
-    if i % 3 == 0:
-        return SamplingParams(n=n, temperature=0.0, max_tokens=rng.randrange(3, 8))
-    return SamplingParams(n=n, temperature=1.0, top_k=50, seed=i, max_tokens=rng.randrange(3, 8))
+    new = rng.randrange(3, 8)
+    kind = i % 5
+    if kind == 0:
+        return SamplingParams(n=n, temperature=0.0, max_tokens=new)
+    if kind == 1:
+        return SamplingParams(n=n, temperature=1.0, top_k=50, seed=i, max_tokens=new)
+    if kind == 2:
+        return SamplingParams(n=n, temperature=0.7, top_p=0.9, seed=i, max_tokens=new, logit_bias={5: 2.5})
+    if kind == 3:
+        return SamplingParams(n=n, temperature=1.3, top_k=20, min_p=0.05, seed=i, max_tokens=new)
+    return SamplingParams(n=n, temperature=0.9, seed=i, max_tokens=new)
 
 
 def run_workload(llm: LLM, prompts: list[list[int]], seed: int) -> list[Sample]:
@@ -88,13 +124,27 @@ def run_workload(llm: LLM, prompts: list[list[int]], seed: int) -> list[Sample]:
     the end; returns every sample with its tokens (aborted ones with what they had)."""
     rng = random.Random(seed)
     engine = llm.engine
-    ids = {engine.add_request(p, _params(rng, i)): p for i, p in enumerate(prompts)}
+    params: dict[str, SamplingParams] = {}
+    ids: dict[str, list[int]] = {}
+    for i, p in enumerate(prompts):
+        sp = _params(rng, i)
+        rid = engine.add_request(p, sp)
+        ids[rid], params[rid] = p, sp
     victim = next(iter(ids))
     samples: list[Sample] = []
 
     def collect(out) -> None:
         for s in out.outputs:
-            samples.append((ids[out.request_id], list(s.token_ids), list(s.raw_logprobs)))
+            samples.append(
+                Sample(
+                    ids[out.request_id],
+                    list(s.token_ids),
+                    list(s.raw_logprobs),
+                    list(s.token_logprobs),
+                    list(s.kept_counts),
+                    params[out.request_id],
+                )
+            )
 
     steps = 0
     while engine.has_unfinished():
@@ -135,6 +185,9 @@ def test_raw_logprobs_equal_trainer_bit_for_bit(arch: str, wide: bool, dtype: to
     assert stats.preemptions > 0 and stats.prefix_cache_hits > 0 and stats.requests_aborted > 0, stats
     bad, total = mismatches(model, warm + samples)
     assert total >= 32 * 3
+    # The processed comparison is not vacuous: truncated sampled tokens were compared.
+    truncated = [c for s in samples for c, lp in zip(s.kept_counts, s.processed) if c > 1 and lp != 0.0]
+    assert len(truncated) >= 10, truncated
     assert bad == 0, f"{bad} of {total} tokens' raw logprobs differ from the trainer's"
     # Another trainer batch (size, order, padding) gives the same bits.
     assert mismatches(model, samples[::-3])[0] == 0
@@ -151,6 +204,46 @@ def test_negative_control_default_mode_differs() -> None:
         samples = run_workload(llm, prompts, 5)
         found.append(mismatches(model, samples, parity=False)[0])
     assert sum(found) > 0, "default mode matched the plain forward everywhere: the control cannot fail"
+
+
+def test_kept_set_record_and_processed_logprobs_outside_parity() -> None:
+    """The record in the default mode: top-k keeps k tokens, no truncation records 0 / -inf, greedy 1;
+    the helper on the plain forward gives the trainer's processed logprob under the same truncation,
+    close to (not equal to) the engine's; unsupported settings are refused."""
+    model = make_wide_model("llama")
+    llm = LLM(model, block_size=8, num_blocks=256)
+    prompts = make_prompts(6, (5, 30), vocab=model.config.vocab_size, seed=21)
+    cases = [
+        SamplingParams(temperature=0.8, top_k=7, seed=1, max_tokens=6),
+        SamplingParams(temperature=1.0, seed=2, max_tokens=6),
+        SamplingParams(temperature=0.0, max_tokens=6),
+        SamplingParams(temperature=1.0, top_p=0.8, min_p=0.02, seed=3, max_tokens=6),
+    ]
+    samples = []
+    for params in cases:
+        for prompt, out in zip(prompts, llm.generate(prompts, params, use_tqdm=False)):
+            c = out.outputs[0]
+            samples.append(
+                Sample(prompt, c.token_ids, c.raw_logprobs, c.token_logprobs, c.kept_counts, params)
+            )
+            assert len(c.kept_counts) == len(c.kept_thresholds) == len(c.token_ids)
+            if params.top_k == 7:
+                assert set(c.kept_counts) == {7}
+            elif params.temperature == 0.0:
+                assert set(c.kept_counts) == {1}
+            elif params.top_p == 1.0:
+                assert set(c.kept_counts) == {0} and all(t == float("-inf") for t in c.kept_thresholds)
+            else:
+                assert all(0 < k < model.config.vocab_size for k in c.kept_counts)
+    for s, logits in zip(samples, trainer_logits(model, samples, parity=False)):
+        got = cbgen.processed_logprobs(logits, torch.tensor(s.tokens), s.params, s.kept_counts)
+        assert torch.allclose(got, torch.tensor(s.processed, dtype=torch.float32), atol=1e-4, rtol=0)
+    with pytest.raises(ValueError, match="repetition_penalty"):
+        cbgen.processed_logprobs(
+            logits, torch.tensor(s.tokens), SamplingParams(repetition_penalty=1.2), s.kept_counts
+        )
+    with pytest.raises(ValueError, match="kept_counts"):
+        cbgen.processed_logprobs(logits, torch.tensor(s.tokens), s.params, [0])
 
 
 def _target_runs(llm: LLM, target: list[int], fillers: list[list[int]], params: SamplingParams):
@@ -298,3 +391,30 @@ def test_prefill_chunk_groups_cover_every_chunk_once() -> None:
         padded = len(g) * max(sizes[i][0] for i in g) * max(sizes[i][1] for i in g)
         assert padded <= 1.5 * work
     assert len(groups) < 50  # similar chunks do share calls
+
+
+@pytest.mark.parametrize("form", ["torch", "triton"])
+def test_other_kernel_forms_keep_parity(form: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The other forms of parity mode's kernels (``CBGEN_PARITY_KERNELS``): the torch fallback (no C
+    compiler, other devices) and the Triton kernels (CUDA; here under Triton's interpreter) give the
+    trainer's bits too, on both sides; and they are different bits from the C kernels', which is why
+    one process never mixes forms."""
+    if form == "triton":
+        require_extra("triton")
+        from cbgen.model.kernels.triton.ops import _interpreting
+
+        if not _interpreting():
+            pytest.skip("the Triton form runs on CPU tensors only under the interpreter")
+    model = make_model("qwen2")
+    prompts = make_prompts(6 if form == "triton" else 16, (3, 30), vocab=model.config.vocab_size, seed=8)
+
+    def run() -> list[Sample]:
+        llm = LLM(model, block_size=8, num_blocks=64, max_num_batched_tokens=32, batch_invariant=True)
+        return run_workload(llm, prompts, 9)
+
+    native = run()
+    monkeypatch.setenv("CBGEN_PARITY_KERNELS", form)
+    samples = run()
+    bad, total = mismatches(model, samples)
+    assert total > 0 and bad == 0, f"{bad} of {total}"
+    assert [s.raw for s in samples] != [s.raw for s in native]

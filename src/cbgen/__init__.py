@@ -3,7 +3,7 @@
 Public API only; everything else is an implementation detail.
 """
 
-from cbgen.batch_invariant import parity, token_logprobs
+from cbgen.batch_invariant import parity, processed_logprobs, token_logprobs
 from cbgen.config import EngineConfig
 from cbgen.llm import LLM
 from cbgen.outputs import CompletionOutput, RequestOutput
@@ -17,6 +17,7 @@ __all__ = [
     "RequestOutput",
     "SamplingParams",
     "parity",
+    "processed_logprobs",
     "token_logprobs",
 ]
 __version__ = "0.1.0"

@@ -35,6 +35,12 @@ VARIABLES: dict[str, EnvVar] = {
             "(plain, mkl_packed, onednn_packed, amx)",
         ),
         EnvVar(
+            "CBGEN_PARITY_KERNELS",
+            "auto",
+            "parity mode's kernels instead of the automatic choice: c, triton (CUDA, or the interpreter) "
+            "or torch; both sides of parity must run under the same setting",
+        ),
+        EnvVar(
             "CBGEN_REQUIRE_KERNELS",
             "0",
             "1 makes a failed C kernel build an error instead of a fallback to torch (`make test` sets it)",

@@ -103,6 +103,8 @@ class OutputProcessor:
                     token_logprobs=r.token_logprobs[start_tok:],
                     raw_logprobs=r.raw_logprobs[start_tok:],
                     log_kept_mass=r.log_kept_mass[start_tok:],
+                    kept_counts=r.kept_counts[start_tok:],
+                    kept_thresholds=r.kept_thresholds[start_tok:],
                     top_logprobs=r.top_logprobs[start_tok:] if r.top_logprobs is not None else None,
                     finish_reason=r.finish_reason,
                     stop_reason=r.stop_reason,

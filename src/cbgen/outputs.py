@@ -14,6 +14,13 @@ class CompletionOutput:
     ``log_softmax`` of the raw model logits at temperature 1, which is what a trainer recomputes.
     ``log_kept_mass`` is the log of the temperature-1 probability mass of the tokens that survived
     truncation. With temperature 1 and no penalties: ``logprob == raw_logprob - log_kept_mass``.
+
+    ``kept_counts`` / ``kept_thresholds`` are the behaviour-policy record of each token's kept set:
+    top-k, top-p and min-p keep the tokens whose processed logit (before temperature) is at least the
+    threshold, and the count says how many that was (0 and ``-inf``: no truncation, every token; a
+    greedy token: 1 and the largest logit).  :func:`cbgen.processed_logprobs` turns the trainer's
+    logits, the request's ``SamplingParams`` and the counts into the processed logprobs under the
+    same truncation (equal to ``token_logprobs`` bit for bit in parity mode).
     """
 
     index: int
@@ -22,6 +29,8 @@ class CompletionOutput:
     token_logprobs: list[float] = field(default_factory=list)
     raw_logprobs: list[float] = field(default_factory=list)
     log_kept_mass: list[float] = field(default_factory=list)
+    kept_counts: list[int] = field(default_factory=list)
+    kept_thresholds: list[float] = field(default_factory=list)
     top_logprobs: list[dict[int, float]] | None = None
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     stop_reason: str | int | None = None  # the matched stop string or stop token id

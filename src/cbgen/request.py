@@ -82,6 +82,9 @@ class Request:
     token_logprobs: list[float] = field(default_factory=list)
     raw_logprobs: list[float] = field(default_factory=list)
     log_kept_mass: list[float] = field(default_factory=list)
+    # The behaviour-policy record of each token's kept set (cbgen.processed_logprobs).
+    kept_counts: list[int] = field(default_factory=list)
+    kept_thresholds: list[float] = field(default_factory=list)
     top_logprobs: list[dict[int, float]] | None = None
     prompt_logprobs: list[dict[int, float] | None] | None = None
     # Output-layer state (detokeniser, stop strings), owned by the engine's output processor.
@@ -142,6 +145,8 @@ class Request:
         self.token_logprobs.clear()
         self.raw_logprobs.clear()
         self.log_kept_mass.clear()
+        self.kept_counts.clear()
+        self.kept_thresholds.clear()
         self.structured_state = None  # its matcher consumed the dropped tokens
         if self.top_logprobs is not None:
             self.top_logprobs.clear()

@@ -8,15 +8,20 @@ docs/rl.md, "Trainer parity".
 Modules: :mod:`~cbgen.batch_invariant.dispatch` (the dispatch mode both sides run under),
 :mod:`~cbgen.batch_invariant.tiled_matmul` and :mod:`~cbgen.batch_invariant.lanes` (what it does
 to matrix products and transcendental functions), :mod:`~cbgen.batch_invariant.attention_core`
-(the attention both sides compute), :mod:`~cbgen.batch_invariant.trainer_attention` (its trainer
-side, registered with transformers), :mod:`~cbgen.batch_invariant.context` (the trainer context),
-:mod:`~cbgen.batch_invariant.logprobs` (the log-softmax both sides use).
+(the torch form of the attention both sides compute), :mod:`~cbgen.batch_invariant.native` (whether
+the C parity kernels or the torch forms run), :mod:`~cbgen.batch_invariant.packs` (the engine's
+packed weights), :mod:`~cbgen.batch_invariant.trainer_attention` (the trainer side's attention,
+registered with transformers), :mod:`~cbgen.batch_invariant.context` (the trainer context),
+:mod:`~cbgen.batch_invariant.logprobs` (the log-softmaxes both sides use) and
+:mod:`~cbgen.batch_invariant.behaviour` (processed logprobs from the kept-set record,
+``cbgen.processed_logprobs``).
 """
 
+from cbgen.batch_invariant.behaviour import processed_logprobs
 from cbgen.batch_invariant.context import parity
 from cbgen.batch_invariant.logprobs import token_logprobs
 
 # ``cbgen.parity.token_logprobs``: the helper next to the context it goes with.
 parity.token_logprobs = token_logprobs  # type: ignore[attr-defined]
 
-__all__ = ["parity", "token_logprobs"]
+__all__ = ["parity", "processed_logprobs", "token_logprobs"]

@@ -16,3 +16,20 @@ def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
     """
     lp = torch.log_softmax(logits.float(), dim=-1)
     return lp.gather(-1, tokens.long().unsqueeze(-1)).squeeze(-1)
+
+
+def truncated_logprobs(
+    logits: torch.Tensor, tokens: torch.Tensor, temperature: torch.Tensor, cut: torch.Tensor
+) -> torch.Tensor:
+    """The processed logprob both sides of parity mode compute: ``log_softmax(logits / temperature)``
+    over the tokens whose logit is at least ``cut`` (the rest count as ``-inf``), at ``tokens``.
+    ``logits [N, V]`` (processed: penalties and bias applied, before temperature), ``tokens [N]``,
+    ``temperature [N]`` (> 0) and ``cut [N]`` (``-inf``: no truncation) -> float32 ``[N]``.
+    Differentiable in ``logits``.
+
+    Every step is a per-element IEEE operation or :func:`token_logprobs`'s per-row log-softmax, so a
+    row's value does not depend on the rows around it."""
+    x = logits.float()
+    scaled = x / temperature.to(device=x.device, dtype=torch.float32).unsqueeze(-1)
+    kept = x >= cut.to(device=x.device, dtype=torch.float32).unsqueeze(-1)
+    return token_logprobs(torch.where(kept, scaled, torch.full_like(scaled, float("-inf"))), tokens)

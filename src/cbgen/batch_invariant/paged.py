@@ -1,7 +1,7 @@
 """The engine side of parity attention.
 
-Where :func:`cbgen.batch_invariant.native.native` says so, every row of a step goes through the C
-parity attention straight from the paged cache (one call for all prefill chunks, one for the decode
+Where :func:`cbgen.batch_invariant.native.parity_form` says so, every row of a step goes through a
+parity attention kernel (C on the CPU, Triton on CUDA) straight from the paged cache (one call for all prefill chunks, one for the decode
 rows).  Elsewhere each sequence's keys and values are gathered from the cache by position and the
 blocked core (:mod:`cbgen.batch_invariant.attention_core`) runs on them; prefill chunks differ in length; one call padded to the longest would compute up to several times
 the work, and one call per chunk pays a fixed cost per chunk.  Chunks of similar size share a call
@@ -10,14 +10,25 @@ the work, and one call per chunk pays a fixed cost per chunk.  Chunks of similar
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from cbgen.batch_invariant.attention_core import blocked_attention
-from cbgen.batch_invariant.native import native
+from cbgen.batch_invariant.native import parity_form
 from cbgen.model.kernels.cpu.parity import parity_attention
+from cbgen.model.kernels.triton.parity import triton_parity_attention
 
 # A group of chunks may cost at most this much more than its chunks alone (padded rows and keys).
 _PADDING_SLACK = 1.5
+
+
+def _kernel(q: torch.Tensor, cache: torch.Tensor) -> Callable[..., torch.Tensor] | None:
+    """The parity attention kernel for these tensors, or None for the torch form."""
+    if cache.dtype != q.dtype:
+        return None
+    form = parity_form(q.device, q.dtype)
+    return {"c": parity_attention, "triton": triton_parity_attention}.get(form)
 
 
 def by_position(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
@@ -60,16 +71,27 @@ def attend_chunks(
 ) -> None:
     """Prefill chunks ``(q_start, q_len, ctx_len)`` of the packed queries ``q [T, H, D]``, row ``i`` of
     ``block_table`` for chunk ``i``, attended into ``out [T, H, D]``."""
-    if native(q.device, q.dtype) and k_cache.dtype == q.dtype:
-        rows = torch.cat([torch.arange(start, start + n) for start, n, _ in chunks])
+    kernel = _kernel(q, k_cache)
+    if kernel is not None:
+        # One call for every chunk: row t of the call is chunk row_seq[t]'s query at row_pos[t].
+        dev = q.device
+        rows = torch.cat([torch.arange(start, start + n) for start, n, _ in chunks]).to(dev)
         row_seq = torch.cat([torch.full((n,), i, dtype=torch.long) for i, (_, n, _) in enumerate(chunks)])
         row_pos = torch.cat([torch.arange(ctx, ctx + n) for _, n, ctx in chunks])
-        zeros = torch.zeros(block_table.shape[0], dtype=torch.long)
+        zeros = torch.zeros(block_table.shape[0], dtype=torch.long, device=dev)
         table = block_table.to(torch.int32)
-        res = parity_attention(
-            q[rows], k_cache, v_cache, table, zeros, row_seq, row_pos, scale, sliding_window, softcap
+        out[rows] = kernel(
+            q[rows],
+            k_cache,
+            v_cache,
+            table,
+            zeros,
+            row_seq.to(dev),
+            row_pos.to(dev),
+            scale,
+            sliding_window,
+            softcap,
         )
-        out[rows] = res
         return
     for group in chunk_groups([(n, ctx + n) for _, n, ctx in chunks]):
         longest = max(chunks[i][1] for i in group)
@@ -102,15 +124,16 @@ def attend_decode(
 ) -> torch.Tensor:
     """Decode rows ``q [B, H, D]``, row ``b`` at position ``seq_lens[b] - 1`` (a padding row of a
     fixed-shape step has length 0: output 0), over its first ``seq_lens[b]`` cached tokens."""
-    if native(q.device, q.dtype) and k_cache.dtype == q.dtype:
-        rows = q.shape[0]
-        return parity_attention(
+    kernel = _kernel(q, k_cache)
+    if kernel is not None:
+        dev = q.device
+        return kernel(
             q,
             k_cache,
             v_cache,
             block_table.to(torch.int32),
-            torch.zeros(block_table.shape[0], dtype=torch.long),
-            torch.arange(rows),
+            torch.zeros(block_table.shape[0], dtype=torch.long, device=dev),
+            torch.arange(q.shape[0], device=dev),
             seq_lens.to(torch.long) - 1,
             scale,
             sliding_window,

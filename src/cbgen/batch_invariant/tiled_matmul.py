@@ -1,8 +1,8 @@
 """Matrix products whose every output row is reduced over K in one order, whatever the row count.
 
-Where :func:`cbgen.batch_invariant.native.native` says so, the panel GEMM computes them (each
-element one chain of fused multiply-adds over K, whatever the row count; the engine passes its
-packed weights, :mod:`cbgen.batch_invariant.packs`).  Elsewhere, torch's GEMM is made to behave: a BLAS picks its kernel, its blocking and sometimes a split of K by the shape of the call, so a row's
+Where :func:`cbgen.batch_invariant.native.parity_form` says so, a parity kernel computes them: on the
+CPU the panel GEMM (each element one chain of fused multiply-adds over K, whatever the row count;
+the engine passes its packed weights, :mod:`cbgen.batch_invariant.packs`), on CUDA the Triton one.  Elsewhere, torch's GEMM is made to behave: a BLAS picks its kernel, its blocking and sometimes a split of K by the shape of the call, so a row's
 result depends on how many rows share the call.  Here the rows are cut into tiles of :data:`TILE`
 rows (the last one padded with zeros) and each tile is one call of the same shape: the same kernel,
 so each row's reduction order depends on K and N only.  Smaller tiles waste less on decode steps,
@@ -16,9 +16,10 @@ from collections.abc import Callable
 
 import torch
 
-from cbgen.batch_invariant.native import native
+from cbgen.batch_invariant.native import parity_form
 from cbgen.batch_invariant.packs import PanelPacks
 from cbgen.model.kernels.cpu.parity import parity_linear
+from cbgen.model.kernels.triton.parity import triton_parity_linear
 
 TILE = 32
 # Allocations are 64-byte aligned; a tile of 32 rows starts on that boundary for any K in fp32/bf16.
@@ -35,11 +36,14 @@ def tiled_mm(mm: MM, a: torch.Tensor, b: torch.Tensor, packs: PanelPacks | None 
     if inner <= 1 or rows == 0:
         # One product per output (exact whatever the kernel), or nothing to compute.
         return mm(a, b)
-    if a.dtype == b.dtype and a.device == b.device and native(a.device, a.dtype):
+    form = parity_form(a.device, a.dtype) if a.dtype == b.dtype and a.device == b.device else "torch"
+    if form != "torch":
         # b is usually a Linear weight's transposed view: its rows are the weight's rows, no copy.
         weight = b.t() if b.t().stride(-1) == 1 else b.t().contiguous()
-        packed = packs.get(weight) if packs is not None else None
-        return parity_linear(a if a.stride(-1) == 1 else a.contiguous(), weight, packed)
+        x = a if a.stride(-1) == 1 else a.contiguous()
+        if form == "triton":
+            return triton_parity_linear(x, weight)
+        return parity_linear(x, weight, packs.get(weight) if packs is not None else None)
     if not a.is_contiguous() or a.data_ptr() % _ALIGN:
         # Every tile the kernel sees: contiguous, 64-byte aligned (tile offsets keep that).
         a = a.clone(memory_format=torch.contiguous_format)

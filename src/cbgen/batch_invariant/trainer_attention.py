@@ -15,8 +15,9 @@ import torch
 from transformers import AttentionInterface
 
 from cbgen.batch_invariant.attention_core import blocked_attention
-from cbgen.batch_invariant.native import native
+from cbgen.batch_invariant.native import parity_form
 from cbgen.model.kernels.cpu.parity import parity_attention
+from cbgen.model.kernels.triton.parity import triton_parity_attention
 
 ATTN_NAME = "cbgen_parity"
 
@@ -72,26 +73,29 @@ def parity_attention_forward(
         v_abs = v.new_zeros(v.shape).index_put((rows, slots), v[rows, cols])
         k, v = k_abs, v_abs
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    if native(q.device, q.dtype) and k.dtype == q.dtype:
-        return _NativeAttention.apply(q, k, v, pos, scale, sliding_window, softcap), None
+    form = parity_form(q.device, q.dtype) if k.dtype == q.dtype else "torch"
+    if form != "torch":
+        kernel = parity_attention if form == "c" else triton_parity_attention
+        return _NativeAttention.apply(q, k, v, pos, scale, sliding_window, softcap, kernel), None
     return blocked_attention(q, k, v, pos, scale, sliding_window, softcap), None
 
 
 class _NativeAttention(torch.autograd.Function):
-    """The C parity attention forward; a backward from a plain float32 recomputation (gradients need
-    no invariance, and the C kernel has no backward)."""
+    """A parity attention kernel's forward (C or Triton); a backward from a plain float32
+    recomputation (gradients need no invariance, and the kernels have no backward)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, pos, scale, sliding_window, softcap):
+    def forward(ctx, q, k, v, pos, scale, sliding_window, softcap, kernel):
         batch, length, heads, dim = q.shape
+        dev = q.device
         # The batch as a paged cache: one block per row, the row's keys at their absolute positions.
-        out = parity_attention(
+        out = kernel(
             q.reshape(batch * length, heads, dim),
             k.contiguous(),
             v.contiguous(),
-            torch.arange(batch, dtype=torch.int32)[:, None],
-            torch.zeros(batch, dtype=torch.long),
-            torch.arange(batch).repeat_interleave(length),
+            torch.arange(batch, dtype=torch.int32, device=dev)[:, None],
+            torch.zeros(batch, dtype=torch.long, device=dev),
+            torch.arange(batch, device=dev).repeat_interleave(length),
             pos.reshape(-1).to(torch.long),
             scale,
             sliding_window,
@@ -109,7 +113,7 @@ class _NativeAttention(torch.autograd.Function):
             out = reference_attention(*leaves, pos, *ctx.settings)
             wanted = [t for t in leaves if t.requires_grad]
             grads = iter(torch.autograd.grad(out, wanted, grad.to(out.dtype)))
-        return (*(next(grads) if t.requires_grad else None for t in leaves), None, None, None, None)
+        return (*(next(grads) if t.requires_grad else None for t in leaves), None, None, None, None, None)
 
 
 def reference_attention(

@@ -39,6 +39,8 @@ class SampledTokens:
     logprobs: list[float]
     raw_logprobs: list[float]
     log_kept_mass: list[float]
+    kept_counts: list[int] = field(default_factory=list)  # the kept-set record (SamplerOutput)
+    kept_thresholds: list[float] = field(default_factory=list)
     top_ids: list[list[int]] | None = None
     top_logprobs: list[list[float]] | None = None
     failed: dict[int, str] = field(default_factory=dict)  # row -> why nothing could be sampled
@@ -118,6 +120,12 @@ def apply_sampled(
         r.token_logprobs.append(sampled.logprobs[i])
         r.raw_logprobs.append(sampled.raw_logprobs[i])
         r.log_kept_mass.append(sampled.log_kept_mass[i])
+        if sampled.kept_counts:
+            r.kept_counts.append(sampled.kept_counts[i])
+            r.kept_thresholds.append(sampled.kept_thresholds[i])
+        else:
+            r.kept_counts.append(0)
+            r.kept_thresholds.append(-math.inf)
         if r.top_logprobs is not None and top_ids is not None:
             k = r.params.logprobs or 0
             # Candidates cut by truncation carry -inf: they were never possible, so leave them out.

@@ -53,6 +53,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from cbgen.batch_invariant import native as parity_kernels
 from cbgen.config import EngineConfig
 from cbgen.model.attention import AttentionBackend
 from cbgen.model.backends import backend_choice, make_backend
@@ -262,7 +263,7 @@ def _parity_plan(
         device=device,
         dtype=dtype,
         attention="parity",
-        attention_why="parity mode: blocked attention over absolute key positions, the trainer's",
+        attention_why="parity mode, the trainer's: " + parity_kernels.describe(device, dtype),
         decode_mode=decode_mode,
         decode_mode_why=decode_mode_why,
         forward="module",
@@ -271,7 +272,7 @@ def _parity_plan(
         c_step=frozenset(),
         c_step_why="not with the module forward",
         greedy="torch",
-        greedy_why="parity mode: raw logprobs through cbgen.token_logprobs",
+        greedy_why="parity mode: raw and processed logprobs through the trainer side's functions",
         sampled_rows=sampled_rows,
         sampled_rows_why=sampled_rows_why,
         row_prefill_max=0,

@@ -76,6 +76,8 @@ def greedy_by_kernel(raw: torch.Tensor, kernel: GreedyKernel) -> SamplerOutput:
         log_kept_mass=raw_lp.clone(),
         row_flags=flags,
         device_token_ids=token,
+        kept_counts=torch.ones_like(token),
+        kept_thresholds=top.float(),
     )
 
 

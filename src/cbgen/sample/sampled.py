@@ -32,6 +32,8 @@ class SampledRows:
     topk_logprobs: torch.Tensor | None = None
     bad: torch.Tensor | None = None  # bool: rows with nothing to sample (sync-free path only)
     mass_rows: list[int] | None = None  # local rows whose ``mass`` is set (sync-free path only)
+    kept_count: torch.Tensor | None = None  # int64: the kept set's size, 0 where nothing was cut
+    kept_threshold: torch.Tensor | None = None  # float32: its smallest processed logit, -inf if uncut
 
 
 @dataclass
@@ -144,8 +146,33 @@ def finish(b: RowBatch, flag_bad: bool = False, mass_rows: list[int] | None = No
         bad=b.bad if flag_bad else None,
         mass_rows=mass_rows,
     )
+    res.kept_count, res.kept_threshold = _kept_record(b, read_back=not flag_bad)
     _top_logprobs(res, b, temp64)
     return res
+
+
+def _kept_record(b: RowBatch, read_back: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's kept set as a count and the smallest kept processed logit (see
+    :class:`cbgen.sample.sampler_output.SamplerOutput`).  The survivors are ``e >= tau`` and ``e``
+    grows with the processed logit, so they are exactly the tokens at or above that logit.  Only rows
+    with a cut (``tau > 0``) pay a pass over the vocabulary; ``read_back`` picks them on the host."""
+    n, dev = b.token.shape[0], b.e.device
+    count = torch.zeros(n, dtype=torch.int64, device=dev)
+    threshold = torch.full((n,), NEG_INF, dtype=torch.float32, device=dev)
+    cut = b.tau > 0
+    if read_back:
+        rows = cut.nonzero().squeeze(1)
+        if rows.numel() == 0:
+            return count, threshold
+    else:
+        rows = torch.arange(n, device=dev)
+    keep = b.e.index_select(0, rows) >= b.tau.index_select(0, rows).unsqueeze(1)
+    x = b.proc.index_select(0, b.glob.index_select(0, rows))
+    low = torch.where(keep, x, torch.full_like(x, float("inf"))).amin(1)
+    sel = cut.index_select(0, rows)
+    count[rows] = torch.where(sel, keep.sum(1), count.index_select(0, rows))
+    threshold[rows] = torch.where(sel, low, threshold.index_select(0, rows))
+    return count, threshold
 
 
 def _top_logprobs(res: SampledRows, b: RowBatch, temp64: torch.Tensor) -> None:

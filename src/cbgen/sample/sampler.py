@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 import torch
 
-from cbgen.batch_invariant.logprobs import token_logprobs
+from cbgen.batch_invariant.logprobs import token_logprobs, truncated_logprobs
 from cbgen.request import Request
 from cbgen.sample.batch_params import BatchParams, seeded_uniform
 from cbgen.sample.greedy import GreedyKernel, greedy_by_kernel, kernel_takes, sample_greedy_rows
@@ -161,7 +161,7 @@ class Sampler:
         step.add_sampled_top_logprobs()
         out = step.output(raw_lse, failed)
         if self.parity:
-            _parity_raw_logprobs(out, raw, params)
+            _parity_logprobs(out, raw, proc, params)
         return out
 
     def _stage_0_1(
@@ -198,14 +198,24 @@ class Sampler:
         self.structured.apply(proc, rows, requests, failed)
 
 
-def _parity_raw_logprobs(out: SamplerOutput, raw: torch.Tensor, params: BatchParams) -> None:
-    """Parity mode: raw logprobs (and a greedy row's kept mass, which equals them) through the
-    trainer side's function."""
+def _parity_logprobs(out: SamplerOutput, raw: torch.Tensor, proc: torch.Tensor, params: BatchParams) -> None:
+    """Parity mode: raw logprobs (and a greedy row's kept mass, which equals them) and the sampled
+    rows' processed logprobs through the trainer side's functions (:mod:`cbgen.batch_invariant.logprobs`)."""
     raw_lp = token_logprobs(raw, out.device_token_ids).cpu()
     out.raw_logprobs = raw_lp
     if params.greedy_rows:
         g = torch.tensor(params.greedy_rows, dtype=torch.int64)
         out.log_kept_mass[g] = raw_lp[g]
+    if params.sampled_rows:
+        s = torch.tensor(params.sampled_rows, dtype=torch.int64)
+        dev = proc.device
+        lp = truncated_logprobs(
+            proc.index_select(0, s.to(dev)),
+            out.device_token_ids.index_select(0, s.to(dev)),
+            params.temperature.index_select(0, s).to(dev),
+            out.kept_thresholds.index_select(0, s).to(dev),
+        )
+        out.logprobs[s] = lp.cpu()
 
 
 @dataclass
@@ -224,6 +234,8 @@ class _Step:
     mass: torch.Tensor  # float64 sum of exp(raw - raw_shift), NaN until known
     topk_ids: torch.Tensor | None
     topk_lp: torch.Tensor | None
+    kept_count: torch.Tensor  # int64, the kept-set record (SamplerOutput)
+    kept_threshold: torch.Tensor  # float32
     sampled_rows: torch.Tensor | None = None  # row_subset() of params.sampled_rows
     sampled: SampledRows | None = None
 
@@ -253,6 +265,8 @@ class _Step:
             mass=torch.full((num_rows,), float("nan"), dtype=torch.float64, device=dev),
             topk_ids=topk_ids,
             topk_lp=topk_lp,
+            kept_count=torch.zeros(num_rows, dtype=torch.int64, device=dev),
+            kept_threshold=torch.full((num_rows,), float("-inf"), dtype=torch.float32, device=dev),
         )
 
     def add_sampled(self, rows: torch.Tensor | None, res: SampledRows) -> None:
@@ -262,6 +276,9 @@ class _Step:
         scatter_rows(self.logprob, self.sampled_rows, res.logprob)
         scatter_rows(self.kept, self.sampled_rows, res.kept)
         scatter_rows(self.mass, self.sampled_rows, res.mass)
+        if res.kept_count is not None:
+            scatter_rows(self.kept_count, self.sampled_rows, res.kept_count)
+            scatter_rows(self.kept_threshold, self.sampled_rows, res.kept_threshold)
 
     def raw_lse(self, ws: Workspace) -> torch.Tensor:
         """Every row's raw log-normaliser, completing ``mass`` where the sampled rows left it unset."""
@@ -310,6 +327,8 @@ class _Step:
         if params.greedy_rows:
             g = torch.tensor(params.greedy_rows, device=dev)
             log_kept[g] = raw_lp.index_select(0, g)
+            self.kept_count[g] = 1
+            self.kept_threshold[g] = self.proc_max.index_select(0, g).float()
             stuck = ~torch.isfinite(self.proc_max.index_select(0, g))
             flags[g] = torch.where(stuck, FLAG_NOTHING_CHOOSABLE, flags.index_select(0, g)).to(torch.int8)
         if self.sampled is not None and self.sampled.bad is not None:
@@ -318,6 +337,7 @@ class _Step:
             s_flags = torch.where(self.sampled.bad, FLAG_NOTHING_CHOOSABLE, s_flags).to(torch.int8)
             scatter_rows(flags, s_rows, s_flags)
         columns = [self.logprob.double(), raw_lp.double(), log_kept.double(), flags.double()]
+        columns += [self.kept_count.double(), self.kept_threshold.double()]
         return SamplerOutput.from_device(token, columns, self.topk_ids, self.topk_lp, failed)
 
 

@@ -34,6 +34,12 @@ class SamplerOutput:
       report ``log_softmax`` of the stage-1 logits at temperature 1, because the processed
       distribution is a point mass and says nothing.  Rows that did not ask hold id -1 and NaN;
       a row that asked for fewer than ``K`` uses its first entries (sorted best first).
+    * ``kept_counts`` ``[B]`` int64 / ``kept_thresholds`` ``[B]`` float32: the behaviour-policy record
+      of each row's kept set.  Top-k, top-p and min-p keep the largest processed logits (before
+      temperature), so the set is every token whose processed logit is at least the threshold, and
+      the count says how many there were.  A row without truncation has count 0 and threshold
+      ``-inf`` (every token); a greedy row has count 1 and its largest processed logit.
+      :func:`cbgen.processed_logprobs` rebuilds a row's processed logprob from the trainer's logits.
     * ``failed``: row -> message for rows that could not be processed (a custom processor raised,
       an unknown processor was named, every token was banned, or the logits hold NaN/inf).  Their
       other fields are meaningless; the engine should fail those requests.
@@ -48,6 +54,8 @@ class SamplerOutput:
     host_failed: dict[int, str] = field(default_factory=dict)  # found on the host (processors, ...)
     row_flags: torch.Tensor | None = None  # int8 [B], FLAG_*: failures found on the device
     device_token_ids: torch.Tensor | None = None  # token_ids where the logits live (next step's inputs)
+    kept_counts: torch.Tensor | None = None  # None: no row was truncated
+    kept_thresholds: torch.Tensor | None = None
 
     @property
     def failed(self) -> dict[int, str]:
@@ -69,7 +77,8 @@ class SamplerOutput:
         host_failed: dict[int, str],
     ) -> SamplerOutput:
         """The step's result from its device tensors: ``token`` and ``columns`` (logprob, raw logprob,
-        log kept mass and flags, each ``[B]`` float64) plus the top logprobs, in one host copy."""
+        log kept mass, flags, kept count and kept threshold, each ``[B]`` float64) plus the top
+        logprobs, in one host copy."""
         # One device-to-host copy for everything the step reports (ids are exact in float64).
         cols = [token.double(), *columns]
         k = 0 if topk_ids is None else topk_ids.shape[1]
@@ -82,17 +91,26 @@ class SamplerOutput:
             logprobs=host[:, 1].float(),
             raw_logprobs=host[:, 2].float(),
             log_kept_mass=host[:, 3].float(),
-            topk_ids=host[:, 5 : 5 + k].long() if k else None,
-            topk_logprobs=host[:, 5 + k :].float() if k else None,
+            topk_ids=host[:, 7 : 7 + k].long() if k else None,
+            topk_logprobs=host[:, 7 + k :].float() if k else None,
             host_failed=host_failed,
             row_flags=host[:, 4].to(torch.int8),
             device_token_ids=token,
+            kept_counts=host[:, 5].long(),
+            kept_thresholds=host[:, 6].float(),
         )
 
     def to_host(self) -> SampledTokens:
         """The results as the plain lists the step's update rules take (one device-to-host read)."""
+        rows = self.token_ids.shape[0]
+        counts = self.kept_counts if self.kept_counts is not None else torch.zeros(rows, dtype=torch.int64)
+        thresholds = self.kept_thresholds
+        if thresholds is None:
+            thresholds = torch.full((rows,), float("-inf"))
         return SampledTokens(
             token_ids=self.token_ids.tolist(),
+            kept_counts=counts.tolist(),
+            kept_thresholds=thresholds.tolist(),
             logprobs=self.logprobs.tolist(),
             raw_logprobs=self.raw_logprobs.tolist(),
             log_kept_mass=self.log_kept_mass.tolist(),
