@@ -30,7 +30,7 @@ def _cbgen_params(workload: Workload, i: int) -> Any:
     )
 
 
-def _cbgen_llm(model: Any, num_blocks: int, share: bool, compile: bool = False) -> Any:
+def _cbgen_llm(model: Any, num_blocks: int, share: bool, compile: bool = False, parity: bool = False) -> Any:
     from cbgen.llm import LLM
 
     return LLM(
@@ -42,6 +42,7 @@ def _cbgen_llm(model: Any, num_blocks: int, share: bool, compile: bool = False) 
         num_blocks=num_blocks,
         enable_prefix_caching=share,
         compile=compile,
+        batch_invariant=parity,
     )
 
 
@@ -112,14 +113,21 @@ def _regroup(rows: list | None, workload: Workload) -> list | None:
 
 
 def run_cbgen(
-    model: Any, workload: Workload, opts: BenchOptions, share: bool = True, compile: bool = False
+    model: Any,
+    workload: Workload,
+    opts: BenchOptions,
+    share: bool = True,
+    compile: bool = False,
+    parity: bool = False,
 ) -> EngineResult:
     """cbgen through its engine API; ``share=False`` is ``cbgen-noshare``: the ``n`` samples become
     independent requests and prefix caching is off.  ``compile=True`` is ``cbgen-compile``: decode
     steps run through ``torch.compile``; its warm-up is one untimed pass over the whole workload, so
     every batch bucket the timed runs use is compiled before the clock starts (as vLLM compiles at
-    start-up)."""
-    name = "cbgen-compile" if compile else "cbgen" if share else "cbgen-noshare"
+    start-up).  ``parity=True`` is ``cbgen-parity``: ``batch_invariant=True``, and afterwards the
+    trainer's forward over the generated sequences, plain and under ``cbgen.parity``
+    (:mod:`cbgen_bench.trainer_forward`)."""
+    name = "cbgen-compile" if compile else "cbgen-parity" if parity else "cbgen" if share else "cbgen-noshare"
     wl = workload if share else workload.expanded()
     num_blocks = kv_blocks_needed(wl)
     result = EngineResult(
@@ -133,6 +141,7 @@ def run_cbgen(
             "enable_prefix_caching": share,
             "n_as_independent_requests": not share and workload.n > 1,
             "compile": compile,
+            "batch_invariant": parity,
         },
     )
     device = model_device(model)
@@ -155,7 +164,7 @@ def run_cbgen(
     reset_peak(device)
     for rep in range(opts.repeats):
         # A fresh engine per run: a prefix cache left warm by the previous run would flatter cbgen.
-        llm = _cbgen_llm(model, num_blocks, share, compile=compile)
+        llm = _cbgen_llm(model, num_blocks, share, compile=compile, parity=parity)
         record, _, steps = _cbgen_once(llm, wl, opts.profile and rep == opts.repeats - 1)
         result.runs.append(record)
         if steps is not None:
@@ -167,6 +176,15 @@ def run_cbgen(
             run.raw_logprobs = _regroup(run.raw_logprobs, workload)
     result.tokens = result.runs[-1].tokens if result.runs else None
     result.peak_memory_bytes, result.memory_kind = peak_memory(device)
+    if parity and result.tokens:
+        from cbgen_bench.trainer_forward import time_trainer_forward
+
+        sequences = [p + s for p, samples in zip(wl.prompts, result.tokens) for s in samples]
+        result.settings["trainer_forward"] = tf = time_trainer_forward(model, sequences, opts.repeats)
+        result.notes.append(
+            f"trainer forward over the {tf['sequences']} generated sequences ({tf['tokens']} tokens): "
+            f"default {tf['default_s']:.2f} s, parity {tf['parity_s']:.2f} s, parity/default {tf['parity/default']:.3f}"
+        )
     return result
 
 

@@ -10,7 +10,15 @@ from dataclasses import dataclass
 
 from cbgen_bench.workloads import Workload
 
-ENGINE_NAMES: tuple[str, ...] = ("cbgen", "cbgen-compile", "cbgen-noshare", "hf-generate", "hf-cb", "vllm")
+ENGINE_NAMES: tuple[str, ...] = (
+    "cbgen",
+    "cbgen-compile",
+    "cbgen-noshare",
+    "cbgen-parity",
+    "hf-generate",
+    "hf-cb",
+    "vllm",
+)
 BASELINES: tuple[str, ...] = ("hf-generate", "hf-cb", "vllm", "cbgen-noshare")
 REFERENCE_ENGINE = "hf-generate"
 

@@ -42,6 +42,8 @@ def run_engine(
             return run_cbgen(model, workload, opts, share=True)
         if engine == "cbgen-compile":
             return run_cbgen(model, workload, opts, compile=True)
+        if engine == "cbgen-parity":
+            return run_cbgen(model, workload, opts, parity=True)
         if engine == "cbgen-noshare":
             return run_cbgen(model, workload, opts, share=False)
         if engine == "hf-generate":

@@ -242,6 +242,13 @@ def _ratios(rows: dict[str, dict[str, Any]]) -> dict[str, float]:
             other = rows.get(base)
             if cb and other and cb.get("output_tok_s") and other.get("output_tok_s"):
                 ratios[f"{variant}/{base}"] = cb["output_tok_s"]["median"] / other["output_tok_s"]["median"]
+    # Parity mode's price: its throughput over the default engine's, and the trainer forward's.
+    par, cb = rows.get("cbgen-parity"), rows.get("cbgen")
+    if par and cb and par.get("output_tok_s") and cb.get("output_tok_s"):
+        ratios["cbgen-parity/cbgen"] = par["output_tok_s"]["median"] / cb["output_tok_s"]["median"]
+    forward = (par or {}).get("settings", {}).get("trainer_forward")
+    if forward:
+        ratios["trainer-forward parity/default"] = forward["parity/default"]
     return ratios
 
 

@@ -9,6 +9,8 @@ The wrappers check shapes, dtypes, strides and devices here, and the C side chec
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from cbgen.model.kernels.cpu.ops import available, library
@@ -18,10 +20,16 @@ _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 _RC = {1: "rejected its sizes", 2: "was given an index out of range", 3: "could not allocate its scratch"}
 
 
+@functools.cache
+def _runs_here() -> bool:
+    # The build and the probe GEMM run once: every matrix product of a parity forward asks.
+    return available() and panel_available()
+
+
 def parity_kernels_available(dtype: torch.dtype) -> bool:
     """Whether the C parity kernels run here for ``dtype``: the kernels built, for a CPU with AVX2
     and FMA (the panel GEMM's), float32 or bfloat16."""
-    return dtype in _DTYPES and available() and panel_available()
+    return dtype in _DTYPES and _runs_here()
 
 
 def parity_linear(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | None = None) -> torch.Tensor:
