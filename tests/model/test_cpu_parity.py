@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cbgen.model.kernels.cpu.panel import panel_pack
-from cbgen.model.kernels.cpu.parity import parity_attention, parity_linear
+from cbgen.model.kernels.cpu import parity as cpu_parity
+from cbgen.model.kernels.cpu.parity import parity_attention, parity_linear, parity_pack
 
 pytestmark = pytest.mark.native("avx2")
 
@@ -141,22 +141,43 @@ def test_attention_refuses_bad_indices_before_reading() -> None:
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=IDS)
-def test_parity_linear_rows_do_not_depend_on_the_batch(dtype) -> None:
-    """Each output row is one FMA chain per element: alone, in any sub-batch, packed ahead of time
-    or per call, the same bits; close to a float64 product."""
+@pytest.mark.parametrize("shape", [(70, 37, 75), (19, 50, 64), (3, 1, 1)], ids=["odd-K", "even-K", "K1"])
+def test_parity_linear_rows_do_not_depend_on_the_batch(dtype, shape) -> None:
+    """Each output element is one fixed chain over k: alone, in any sub-batch, packed ahead of time
+    or per call, the same bits; close to a float64 product.  (bfloat16 runs the pair GEMM where the
+    CPU has AVX512-BF16, see test_bf16_pair_gemm_where_the_cpu_has_it.)"""
     torch.manual_seed(2)
-    x, w = torch.randn(70, 75).to(dtype), torch.randn(37, 75).to(dtype)
+    m, n, k = shape
+    x, w = torch.randn(m, k).to(dtype), torch.randn(n, k).to(dtype)
     full = parity_linear(x, w)
     ref = x.double() @ w.double().t()
     tol = 1e-4 if dtype == torch.float32 else 0.1
     assert (full.double() - ref).abs().max() < tol
-    assert torch.equal(parity_linear(x, w, panel_pack(w)), full)
-    for rows in ([0], [69], [5, 6, 7], list(range(69, 0, -9))):
+    assert torch.equal(parity_linear(x, w, parity_pack(w)), full)
+    for rows in ([0], [m - 1], [1, 2], list(range(m - 1, 0, -9))):
         assert torch.equal(parity_linear(x[rows], w), full[rows])
     # The control: the same products summed in another order (K reversed) differ in some bits, so the
     # equalities above are a property of the fixed order, not of any way to compute the product.
     # (In float32: a bfloat16 output's rounding hides most such differences.)
     xf, wf = x.float(), w.float()
-    assert not torch.equal(
+    assert k == 1 or not torch.equal(
         parity_linear(xf.flip(1).contiguous(), wf.flip(1).contiguous()), parity_linear(xf, wf)
     )
+
+
+@pytest.mark.native("avx512bf16")
+def test_bf16_pair_gemm_where_the_cpu_has_it() -> None:
+    """On AVX512-BF16 CPUs bfloat16 products take the pair GEMM (vdpbf16ps over k pairs): its
+    packing puts column n's pair i at lane n % 16 of panel n // 16, and a packed weight of the
+    wrong shape is refused before the kernel runs."""
+    assert cpu_parity._uses_pairs(torch.bfloat16) and not cpu_parity._uses_pairs(torch.float32)
+    w = torch.randn(37, 9).bfloat16()
+    packed = parity_pack(w)
+    assert packed.shape == (3, 5, 16, 2)
+    for n in range(37):
+        for i in range(5):
+            pair = [w[n, 2 * i], w[n, 2 * i + 1] if 2 * i + 1 < 9 else 0]
+            assert packed[n // 16, i, n % 16].tolist() == [float(v) for v in pair]
+    assert not packed[2, :, 37 - 32 :].any()
+    with pytest.raises(ValueError, match="pairs"):
+        parity_linear(torch.randn(2, 9).bfloat16(), w, packed[:2])

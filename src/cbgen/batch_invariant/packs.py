@@ -1,7 +1,7 @@
 """The engine's packed copies of a model's weights for parity mode's GEMM.
 
-Parity mode's matrix products are the panel GEMM (``csrc/cpu_panel.c``), which reads a weight packed
-into panels of 16 columns.  The trainer side packs each weight as it is used (a copy per call, small
+Parity mode's matrix products read their weight packed (:func:`cbgen.model.kernels.cpu.parity.parity_pack`:
+panels of 16 columns for the float32 panel GEMM, or of 16 columns by k pairs for the bfloat16 pair GEMM).  The trainer side packs each weight as it is used (a copy per call, small
 next to a training forward over thousands of rows, and no second copy of the model held).  The
 engine reuses the same weights for every step, so it keeps one packed copy per weight here, made on
 first use and dropped whenever the engine sees the weights change.  Packing is exact (bfloat16
@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from cbgen.model.kernels.cpu.panel import panel_pack
+from cbgen.model.kernels.cpu.parity import parity_pack
 
 
 class PanelPacks:
@@ -42,5 +42,5 @@ class PanelPacks:
             return None
         packed = self._packed.get(key)
         if packed is None:
-            packed = self._packed[key] = panel_pack(weight.detach())
+            packed = self._packed[key] = parity_pack(weight.detach())
         return packed

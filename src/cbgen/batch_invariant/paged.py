@@ -31,6 +31,24 @@ def _kernel(q: torch.Tensor, cache: torch.Tensor) -> Callable[..., torch.Tensor]
     return {"c": parity_attention, "triton": triton_parity_attention}.get(form)
 
 
+def _cached(derived: dict | None, key: str, make: Callable[[], tuple]) -> tuple:
+    if derived is None:
+        return make()
+    if key not in derived:
+        derived[key] = make()
+    return derived[key]
+
+
+def _chunk_plan(chunks: list[tuple[int, int, int]], block_table: torch.Tensor, dev: torch.device) -> tuple:
+    """One kernel call for every chunk: row t of the call is chunk ``row_seq[t]``'s query at
+    ``row_pos[t]``, read from packed row ``rows[t]``."""
+    rows = torch.cat([torch.arange(start, start + n) for start, n, _ in chunks])
+    row_seq = torch.cat([torch.full((n,), i, dtype=torch.long) for i, (_, n, _) in enumerate(chunks)])
+    row_pos = torch.cat([torch.arange(ctx, ctx + n) for _, n, ctx in chunks])
+    zeros = torch.zeros(block_table.shape[0], dtype=torch.long)
+    return tuple(t.to(dev) for t in (rows, block_table.to(torch.int32), zeros, row_seq, row_pos))
+
+
 def by_position(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
     """Each row's first ``length`` cached tokens, ``[B, length, Hkv, D]``, index = position."""
     num_rows, width = block_table.shape
@@ -68,29 +86,17 @@ def attend_chunks(
     sliding_window: int | None,
     softcap: float | None,
     out: torch.Tensor,
+    derived: dict | None = None,
 ) -> None:
     """Prefill chunks ``(q_start, q_len, ctx_len)`` of the packed queries ``q [T, H, D]``, row ``i`` of
-    ``block_table`` for chunk ``i``, attended into ``out [T, H, D]``."""
+    ``block_table`` for chunk ``i``, attended into ``out [T, H, D]``.  ``derived``: the step's
+    per-step cache (``AttentionMetadata.derived``), so every layer reuses the kernel's index tensors."""
     kernel = _kernel(q, k_cache)
     if kernel is not None:
-        # One call for every chunk: row t of the call is chunk row_seq[t]'s query at row_pos[t].
-        dev = q.device
-        rows = torch.cat([torch.arange(start, start + n) for start, n, _ in chunks]).to(dev)
-        row_seq = torch.cat([torch.full((n,), i, dtype=torch.long) for i, (_, n, _) in enumerate(chunks)])
-        row_pos = torch.cat([torch.arange(ctx, ctx + n) for _, n, ctx in chunks])
-        zeros = torch.zeros(block_table.shape[0], dtype=torch.long, device=dev)
-        table = block_table.to(torch.int32)
+        plan = _cached(derived, "parity_prefill", lambda: _chunk_plan(chunks, block_table, q.device))
+        rows, table, zeros, row_seq, row_pos = plan
         out[rows] = kernel(
-            q[rows],
-            k_cache,
-            v_cache,
-            table,
-            zeros,
-            row_seq.to(dev),
-            row_pos.to(dev),
-            scale,
-            sliding_window,
-            softcap,
+            q[rows], k_cache, v_cache, table, zeros, row_seq, row_pos, scale, sliding_window, softcap
         )
         return
     for group in chunk_groups([(n, ctx + n) for _, n, ctx in chunks]):
@@ -121,24 +127,22 @@ def attend_decode(
     scale: float,
     sliding_window: int | None,
     softcap: float | None,
+    derived: dict | None = None,
 ) -> torch.Tensor:
     """Decode rows ``q [B, H, D]``, row ``b`` at position ``seq_lens[b] - 1`` (a padding row of a
-    fixed-shape step has length 0: output 0), over its first ``seq_lens[b]`` cached tokens."""
+    fixed-shape step has length 0: output 0), over its first ``seq_lens[b]`` cached tokens.
+    ``derived``: as for :func:`attend_chunks`."""
     kernel = _kernel(q, k_cache)
     if kernel is not None:
         dev = q.device
-        return kernel(
-            q,
-            k_cache,
-            v_cache,
-            block_table.to(torch.int32),
-            torch.zeros(block_table.shape[0], dtype=torch.long, device=dev),
-            torch.arange(q.shape[0], device=dev),
-            seq_lens.to(torch.long) - 1,
-            scale,
-            sliding_window,
-            softcap,
-        )
+
+        def plan() -> tuple:
+            zeros = torch.zeros(block_table.shape[0], dtype=torch.long, device=dev)
+            rows = torch.arange(q.shape[0], device=dev)
+            return block_table.to(torch.int32), zeros, rows, seq_lens.to(torch.long) - 1
+
+        table, zeros, rows, pos = _cached(derived, "parity_decode", plan)
+        return kernel(q, k_cache, v_cache, table, zeros, rows, pos, scale, sliding_window, softcap)
     q_pos = (seq_lens.to(torch.long) - 1)[:, None]
     keys, values = by_position(k_cache, block_table, max_len), by_position(v_cache, block_table, max_len)
     return blocked_attention(q[:, None], keys, values, q_pos, scale, sliding_window, softcap)[:, 0]

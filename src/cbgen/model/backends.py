@@ -52,11 +52,11 @@ class TorchBackend(AttentionBackend):
 
 
 class ParityBackend(AttentionBackend):
-    """Parity mode's attention (``batch_invariant=True``): every row through the blocked core of
-    :mod:`cbgen.batch_invariant.attention_core`, the trainer side's computation, on each sequence's
-    keys and values gathered from the paged cache by position (:mod:`cbgen.batch_invariant.paged`).
-    Decode rows and prefill chunks take the same path, so a token's attention does not depend on
-    how its context was computed, cached or batched."""
+    """Parity mode's attention (``batch_invariant=True``): every row through the trainer side's
+    computation, the parity attention kernel of :func:`cbgen.batch_invariant.native.parity_form`
+    (straight from the paged cache) or its torch form (:mod:`cbgen.batch_invariant.paged`).  Decode
+    rows and prefill chunks take the same path, so a token's attention does not depend on how its
+    context was computed, cached or batched."""
 
     name = "parity"
 
@@ -81,6 +81,7 @@ class ParityBackend(AttentionBackend):
             scale,
             sliding_window,
             softcap,
+            meta.derived,
         )
 
     def prefill(
@@ -99,7 +100,9 @@ class ParityBackend(AttentionBackend):
         """Every prefill chunk, its queries at positions ``ctx_len ..``, over its cached keys."""
         chunks = [(c.q_start, c.q_len, c.ctx_len) for c in meta.prefills]
         table = meta.varlen.block_table
-        parity_paged.attend_chunks(q, k_cache, v_cache, chunks, table, scale, sliding_window, softcap, out)
+        parity_paged.attend_chunks(
+            q, k_cache, v_cache, chunks, table, scale, sliding_window, softcap, out, meta.derived
+        )
 
 
 class KernelBackend(AttentionBackend):

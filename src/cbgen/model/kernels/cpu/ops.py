@@ -159,6 +159,8 @@ def _build() -> ctypes.CDLL:
         i64,
     ]
     lib.cbgen_parity_attention.argtypes += [ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, f32, i64, f32, i32]
+    lib.cbgen_pairs_pack.argtypes = [ptr, i64, i64, i64, ptr, i64]
+    lib.cbgen_pairs_gemm.argtypes = [ptr, i64, ptr, i64, ptr, i64, i64, i64, i64]
     lib.cbgen_decoder_layout.argtypes = [ctypes.POINTER(i64), ctypes.POINTER(i64)]
     lib.cbgen_decoder_layout.restype = ctypes.c_char_p
     for fn in (
@@ -173,6 +175,8 @@ def _build() -> ctypes.CDLL:
         lib.cbgen_panel_pack,
         lib.cbgen_panel_gemm,
         lib.cbgen_parity_attention,
+        lib.cbgen_pairs_pack,
+        lib.cbgen_pairs_gemm,
     ):
         fn.restype = i32
     return lib

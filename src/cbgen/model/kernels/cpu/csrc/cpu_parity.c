@@ -148,29 +148,34 @@ int cbgen_parity_attention(const void *q, int64_t q_row_stride, int64_t q_head_s
         if (p - lo + 1 > longest) longest = p - lo + 1;
     }
     const int64_t group = H / Hkv, esize = dtype == 0 ? 4 : 2;
+    /* Per query head of a group: its scores, its query in float32 and its accumulator. */
+    const int64_t per_head = longest + 2 * D;
     int failed = 0;
 #pragma omp parallel
     {
-        float *buf = (float *)malloc((size_t)(longest + 2 * D + 1) * sizeof(float));
+        float *buf = (float *)malloc((size_t)(group * per_head + 1) * sizeof(float));
         if (!buf) {
 #pragma omp atomic write
             failed = 1;
         }
+        /* One task per (row, key/value head): the group's query heads share each key and value
+         * load; every head's arithmetic is exactly what it would be alone. */
 #pragma omp for schedule(dynamic, 1)
-        for (int64_t task = 0; task < T * H; ++task) {
+        for (int64_t task = 0; task < T * Hkv; ++task) {
             if (!buf) continue;
-            const int64_t t = task / H, h = task % H, p = row_pos[t], g = row_seq[t];
-            float *scores = buf, *qf = buf + longest, *acc = qf + D;
-            char *o = (char *)out + (t * out_row_stride + h * D) * esize;
+            const int64_t t = task / Hkv, kh = task % Hkv, p = row_pos[t], g = row_seq[t];
             if (p < 0) {
-                for (int64_t d = 0; d < D; ++d) store1(o, d, 0.0f, dtype);
+                for (int64_t h = kh * group; h < (kh + 1) * group; ++h)
+                    for (int64_t d = 0; d < D; ++d) store1((char *)out + (t * out_row_stride + h * D) * esize, d, 0.0f, dtype);
                 continue;
             }
-            const char *qp = (const char *)q + (t * q_row_stride + h * q_head_stride) * esize;
-            for (int64_t d = 0; d < D; ++d) qf[d] = load1(qp, d, dtype), acc[d] = 0.0f;
+            for (int64_t r = 0; r < group; ++r) {
+                const char *qp = (const char *)q + (t * q_row_stride + (kh * group + r) * q_head_stride) * esize;
+                float *qf = buf + r * per_head + longest, *acc = qf + D;
+                for (int64_t d = 0; d < D; ++d) qf[d] = load1(qp, d, dtype), acc[d] = 0.0f;
+            }
             const int64_t lo = window > 0 && p - window + 1 > 0 ? p - window + 1 : 0, n = p - lo + 1;
-            const int64_t head_off = (h / group) * kv_head;
-            float top = -INFINITY;
+            const int64_t head_off = kh * kv_head;
             /* Scores a run of keys at a time (up to TC consecutive slots of one block: independent
              * sums for the FMA pipes), each key's score in the same order as a lone dot. */
             for (int64_t j = 0; j < n;) {
@@ -178,26 +183,138 @@ int cbgen_parity_attention(const void *q, int64_t q_row_stride, int64_t q_head_s
                 const int64_t run = n - j < TC ? n - j : TC, fit = block_size - slot;
                 const int C = (int)(run < fit ? run : fit);
                 const int64_t off = table[g * table_stride + i / block_size] * kv_block + slot * kv_slot + head_off;
-                dots(qf, (const char *)k + off * esize, kv_slot, D, C, scores + j, dtype);
-                for (int c = 0; c < C; ++c) {
-                    float s = scores[j + c] * scale;
-                    if (softcap > 0.0f) s = softcap * tanhf(s / softcap);
-                    scores[j + c] = s;
-                    top = s > top ? s : top;
+                for (int64_t r = 0; r < group; ++r) {
+                    float *scores = buf + r * per_head;
+                    dots(scores + longest, (const char *)k + off * esize, kv_slot, D, C, scores + j, dtype);
+                    for (int c = 0; c < C; ++c) {
+                        float sc = scores[j + c] * scale;
+                        if (softcap > 0.0f) sc = softcap * tanhf(sc / softcap);
+                        scores[j + c] = sc;
+                    }
                 }
                 j += C;
             }
-            float norm = 0.0f;
+            for (int64_t r = 0; r < group; ++r) {
+                /* exp(s - max) in place: the maximum is exact in any order. */
+                float *scores = buf + r * per_head, top = -INFINITY;
+                for (int64_t j = 0; j < n; ++j) top = scores[j] > top ? scores[j] : top;
+                for (int64_t j = 0; j < n; ++j) scores[j] = expf(scores[j] - top);
+            }
             for (int64_t j = 0; j < n; ++j) {
                 const int64_t i = seq_start[g] + lo + j;
                 const int64_t off = table[g * table_stride + i / block_size] * kv_block + (i % block_size) * kv_slot;
-                const float e = expf(scores[j] - top);
-                norm += e;
-                axpy(acc, e, (const char *)v + (off + head_off) * esize, D, dtype);
+                const char *vp = (const char *)v + (off + head_off) * esize;
+                for (int64_t r = 0; r < group; ++r) {
+                    float *head = buf + r * per_head;
+                    axpy(head + longest + D, head[j], vp, D, dtype);
+                }
             }
-            for (int64_t d = 0; d < D; ++d) store1(o, d, acc[d] / norm, dtype);
+            for (int64_t r = 0; r < group; ++r) {
+                /* The normaliser: the same e-values, summed in increasing position. */
+                const float *head = buf + r * per_head;
+                float norm = 0.0f;
+                for (int64_t j = 0; j < n; ++j) norm += head[j];
+                char *o = (char *)out + (t * out_row_stride + (kh * group + r) * D) * esize;
+                for (int64_t d = 0; d < D; ++d) store1(o, d, head[longest + D + d] / norm, dtype);
+            }
         }
         free(buf);
     }
     return failed ? 3 : 0;
 }
+
+/* Parity mode's bfloat16 GEMM on CPUs with AVX512-BF16: out[M, N] = x[M, K] w[N, K]^T, x and w
+ * bfloat16, out bfloat16 (rounded once, to nearest even).  Every output element is one chain of
+ * vdpbf16ps steps over the k pairs (2i, 2i + 1) in increasing i, each adding the pair's two exact
+ * products to the float32 accumulator as the instruction defines it (denormals flushed); an odd K
+ * ends with a pair whose second element is zero.  The chain does not depend on M, the row tile or
+ * the thread, so a row's result is the same in any batch.  It reads bfloat16 straight into the dot
+ * product, where the float32 panel GEMM widens every value first (2-3x the work per k).
+ *
+ * Packed layout (cbgen_pairs_pack): [ceil(N / 16)][ceil(K / 2)][16][2] bfloat16, column n at panel
+ * n / 16, lane n % 16; pairs and columns past the weight are zero.  rc 1 = bad sizes, 2 = built
+ * without AVX512-BF16. */
+enum { PAIR_COLS = 16, PAIR_ROWS = 8, PAIR_CHUNK = 192 };
+
+static int64_t pairs_elems(int64_t N, int64_t K) {
+    return (N + PAIR_COLS - 1) / PAIR_COLS * ((K + 1) / 2) * PAIR_COLS * 2;
+}
+
+int cbgen_pairs_pack(const uint16_t *w, int64_t w_stride, int64_t N, int64_t K, uint16_t *packed,
+                     int64_t packed_size) {
+    if (N < 1 || K < 1 || w_stride < K || packed_size != pairs_elems(N, K)) return 1;
+    const int64_t panels = (N + PAIR_COLS - 1) / PAIR_COLS, kp = (K + 1) / 2;
+#pragma omp parallel for schedule(static)
+    for (int64_t p = 0; p < panels; ++p)
+        for (int64_t i = 0; i < kp; ++i)
+            for (int j = 0; j < PAIR_COLS; ++j)
+                for (int e = 0; e < 2; ++e) {
+                    const int64_t n = p * PAIR_COLS + j, k = 2 * i + e;
+                    packed[((p * kp + i) * PAIR_COLS + j) * 2 + e] = n < N && k < K ? w[n * w_stride + k] : 0;
+                }
+    return 0;
+}
+
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+static inline __attribute__((always_inline)) void pairs_tile(const uint16_t *x, int64_t xs, const uint16_t *panel,
+                                                            int64_t K, float *acc, const int rows) {
+    __m512 a[PAIR_ROWS];
+#pragma GCC unroll 8
+    for (int r = 0; r < rows; ++r) a[r] = _mm512_setzero_ps();
+    const int64_t full = K / 2;
+    for (int64_t i = 0; i < full; ++i) {
+        const __m512bh wv = (__m512bh)_mm512_loadu_si512((const void *)(panel + i * PAIR_COLS * 2));
+#pragma GCC unroll 8
+        for (int r = 0; r < rows; ++r) {
+            uint32_t pair;
+            memcpy(&pair, x + r * xs + 2 * i, sizeof pair);
+            a[r] = _mm512_dpbf16_ps(a[r], (__m512bh)_mm512_set1_epi32((int)pair), wv);
+        }
+    }
+    if (K % 2) { /* the last pair: (x[K - 1], 0) */
+        const __m512bh wv = (__m512bh)_mm512_loadu_si512((const void *)(panel + full * PAIR_COLS * 2));
+#pragma GCC unroll 8
+        for (int r = 0; r < rows; ++r)
+            a[r] = _mm512_dpbf16_ps(a[r], (__m512bh)_mm512_set1_epi32((int)x[r * xs + K - 1]), wv);
+    }
+#pragma GCC unroll 8
+    for (int r = 0; r < rows; ++r) _mm512_storeu_ps(acc + r * PAIR_COLS, a[r]);
+}
+
+#define PAIRS_CASE(n)                                                                                                  \
+    case n: pairs_tile(xt, x_stride, panel, K, acc, n); break;
+
+int cbgen_pairs_gemm(const uint16_t *x, int64_t x_stride, const uint16_t *packed, int64_t packed_size, uint16_t *out,
+                     int64_t out_stride, int64_t M, int64_t N, int64_t K) {
+    if (M < 1 || N < 1 || K < 1 || x_stride < K || out_stride < N || packed_size != pairs_elems(N, K)) return 1;
+    const int64_t panels = (N + PAIR_COLS - 1) / PAIR_COLS, kp = (K + 1) / 2;
+    for (int64_t c0 = 0; c0 < M; c0 += PAIR_CHUNK) {
+        const int64_t c1 = c0 + PAIR_CHUNK < M ? c0 + PAIR_CHUNK : M;
+#pragma omp parallel for schedule(dynamic, 1)
+        for (int64_t p = 0; p < panels; ++p) {
+            float acc[PAIR_ROWS * PAIR_COLS];
+            const uint16_t *panel = packed + p * kp * PAIR_COLS * 2;
+            const int64_t n0 = p * PAIR_COLS;
+            const int cols = (int)(N - n0 < PAIR_COLS ? N - n0 : PAIR_COLS);
+            for (int64_t m0 = c0; m0 < c1; m0 += PAIR_ROWS) {
+                const int rows = (int)(c1 - m0 < PAIR_ROWS ? c1 - m0 : PAIR_ROWS);
+                const uint16_t *xt = x + m0 * x_stride;
+                switch (rows) { /* the row count as a constant: the accumulators stay in registers */
+                    PAIRS_CASE(8) PAIRS_CASE(7) PAIRS_CASE(6) PAIRS_CASE(5) PAIRS_CASE(4) PAIRS_CASE(3) PAIRS_CASE(2)
+                default: pairs_tile(xt, x_stride, panel, K, acc, 1); break;
+                }
+                for (int r = 0; r < rows; ++r)
+                    for (int j = 0; j < cols; ++j)
+                        out[(m0 + r) * out_stride + n0 + j] = f32_to_bf16(acc[r * PAIR_COLS + j]);
+            }
+        }
+    }
+    return 0;
+}
+#else
+int cbgen_pairs_gemm(const uint16_t *x, int64_t x_stride, const uint16_t *packed, int64_t packed_size, uint16_t *out,
+                     int64_t out_stride, int64_t M, int64_t N, int64_t K) {
+    (void)x, (void)x_stride, (void)packed, (void)packed_size, (void)out, (void)out_stride, (void)M, (void)N, (void)K;
+    return 2;
+}
+#endif
