@@ -15,9 +15,13 @@ kernels: ``CBGEN_TEST_CUDA=1 pytest -m cuda`` on a GPU machine (``benchmarks/gpu
 **Hermetic kernel choice.**  The run builds its C kernels into, and measures its GEMM choices in, a
 directory of its own (``CBGEN_KERNEL_DIR``, made when this file is imported, before anything builds;
 subprocesses inherit it; removed at the end), never ``~/.cache/cbgen``: a choice timed by an earlier
-run or by the user's engines cannot change which GEMM a test runs.  Tests that claim a GEMM force it
-(``CBGEN_GEMM``); the summary lists the GEMM candidates the exactness tests ran and the choices
-measured during the run, so two runs can be compared.
+run or by the user's engines cannot change which GEMM a test runs.  Nor can this run's own timings:
+tests that do not claim a GEMM run on one fixed choice, ``CBGEN_GEMM=panel`` for every row class
+(``plain`` on CPUs without AVX2 + FMA), so two runs on one machine run the same kernel paths (a timed
+choice could flip between two GEMMs a few percent apart).  Tests that claim a GEMM force their own,
+and the tests of the measured choice itself (``test_gemm_choice.py``, ``test_plan.py``) unset it.
+The summary lists the GEMM candidates the exactness tests ran and the choices measured during the
+run.
 """
 
 from __future__ import annotations
@@ -59,13 +63,18 @@ def pytest_configure(config: pytest.Config) -> None:
 def pytest_sessionstart(session: pytest.Session) -> None:
     from cbgen import envs
     from cbgen.model.kernels.cpu import ops as cpu_kernels
+    from cbgen.model.kernels.cpu.panel import panel_available
 
-    if not envs.flag("CBGEN_REQUIRE_KERNELS"):
-        return
-    try:
-        cpu_kernels.available()
-    except cpu_kernels.KernelsRequiredError as err:
-        pytest.exit(f"{err}\n(unset CBGEN_REQUIRE_KERNELS to run the torch fallback instead)", returncode=3)
+    if envs.flag("CBGEN_REQUIRE_KERNELS"):
+        try:
+            cpu_kernels.available()
+        except cpu_kernels.KernelsRequiredError as err:
+            pytest.exit(
+                f"{err}\n(unset CBGEN_REQUIRE_KERNELS to run the torch fallback instead)", returncode=3
+            )
+    # One GEMM for every test that does not claim one (module docstring), set before any engine
+    # exists so subprocesses (torchrun, Ray, the server) inherit it too.
+    os.environ.setdefault("CBGEN_GEMM", "panel" if panel_available() else "plain")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

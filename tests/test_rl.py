@@ -521,3 +521,12 @@ def test_grpo_example_reward_rises(tmp_path):
     # Freeing the KV cache during every update changes nothing about the run.
     released = grpo.train(grpo.GRPOConfig(steps=5, release_kv=True, out=None, log=False))
     assert released.rewards == result.rewards[:5]
+
+
+def test_grpo_example_parity_ratio_is_exactly_one():
+    """``examples/grpo_tiny.py --parity``: on fresh rollouts the trainer's logprobs equal the engine's
+    bit for bit, so the importance ratio is exactly 1.0 for every token of every step."""
+    grpo = _load_example()
+    result = grpo.train(grpo.GRPOConfig(steps=4, parity=True, out=None, log=False))
+    assert len(result.ratio_errors) == 4
+    assert result.ratio_errors == [0.0] * 4, result.ratio_errors

@@ -15,6 +15,12 @@ from cbgen.model.cpu_fast.packed_linears import PackedLinears
 SHAPES = [(384, 256), (256, 256)]
 
 
+@pytest.fixture(autouse=True)
+def _measured_choice(monkeypatch):
+    """These tests are about the measured choice: no fixed GEMM from the test run (conftest)."""
+    monkeypatch.delenv("CBGEN_GEMM", raising=False)
+
+
 def _fake(name: str, serves_prefill: bool = True) -> Candidate:
     def apply(x, packed, weight, bias):
         if not serves_prefill and x.shape[0] != gemm_choice.DECODE_ROWS:
