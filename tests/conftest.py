@@ -116,6 +116,8 @@ def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Co
         terminalreporter.section("GEMM candidates run by the exactness tests (forced via CBGEN_GEMM)")
         for line in _GEMMS.lines():
             terminalreporter.write_line(line)
+    terminalreporter.section("GEMM of every test that does not force one")
+    terminalreporter.write_line(f"CBGEN_GEMM={os.environ.get('CBGEN_GEMM', '(unset: measured)')}")
     measured = native_paths.measured_gemm_choices(_KERNEL_DIR)
     if measured:
         terminalreporter.section("GEMM choices measured in this run (single, decode, prefill)")
