@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 
 from cbgen import envs
-from cbgen.model.kernels.cpu.parity import parity_kernels_available
+from cbgen.model.kernels.cpu.parity import gemm_name, parity_kernels_available
 from cbgen.model.kernels.triton.parity import triton_parity_available
 
 
@@ -55,7 +55,7 @@ def describe(device: torch.device, dtype: torch.dtype) -> str:
     """One line for the execution plan: which form runs, and why."""
     form = parity_form(device, dtype)
     if form == "c":
-        return "the C parity kernels (panel GEMM, fixed-order paged attention)"
+        return f"the C parity kernels ({gemm_name(dtype)}, fixed-order paged attention)"
     if form == "triton":
         return "the Triton parity kernels (fixed tiles, no split reductions)"
     return (

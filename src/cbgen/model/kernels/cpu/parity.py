@@ -76,6 +76,11 @@ def _uses_pairs(dtype: torch.dtype) -> bool:
     return dtype == torch.bfloat16 and _pairs_run_here()
 
 
+def gemm_name(dtype: torch.dtype) -> str:
+    """Which GEMM parity products of ``dtype`` run on here (for the execution plan's line)."""
+    return "pair GEMM (vdpbf16ps)" if _uses_pairs(dtype) else "panel GEMM"
+
+
 def parity_pack(weight: torch.Tensor) -> torch.Tensor:
     """``weight [N, K]`` packed for :func:`parity_linear` on products of its dtype (exact: the values
     are only rearranged, or widened)."""
