@@ -29,7 +29,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from cbgen.batch_invariant.lanes import lanewise
-from cbgen.batch_invariant.packs import PanelPacks
+from cbgen.batch_invariant.packs import WeightPacks
 from cbgen.batch_invariant.tiled_matmul import tiled_bmm, tiled_grouped_mm, tiled_mm
 
 aten = torch.ops.aten
@@ -133,10 +133,10 @@ def _in_backward() -> bool:
 class ParityOps(TorchDispatchMode):
     """Batch-invariant matrix products and transcendental functions for the ops run while it is
     entered (``with ParityOps(): ...``), on this thread (see the module docstring).  ``packs``: the
-    engine's packed weights (:class:`cbgen.batch_invariant.packs.PanelPacks`); without them each
+    engine's packed weights (:class:`cbgen.batch_invariant.packs.WeightPacks`); without them each
     product packs its weight for the call, with the same result."""
 
-    def __init__(self, packs: PanelPacks | None = None) -> None:
+    def __init__(self, packs: WeightPacks | None = None) -> None:
         super().__init__()
         self.packs = packs
 

@@ -1,11 +1,12 @@
-"""The engine's packed copies of a model's weights for parity mode's GEMM.
+"""The engine's packed copies of a model's weights for parity mode's GEMMs.
 
-Parity mode's matrix products read their weight packed (:func:`cbgen.model.kernels.cpu.parity.parity_pack`:
-panels of 16 columns for the float32 panel GEMM, or of 16 columns by k pairs for the bfloat16 pair GEMM).  The trainer side packs each weight as it is used (a copy per call, small
-next to a training forward over thousands of rows, and no second copy of the model held).  The
-engine reuses the same weights for every step, so it keeps one packed copy per weight here, made on
-first use and dropped whenever the engine sees the weights change.  Packing is exact (bfloat16
-weights are widened, never rounded), so a packed copy gives the same bits as packing again.
+Parity mode's matrix products read their weight packed
+(:func:`cbgen.model.kernels.cpu.parity.parity_pack`: panels of 16 columns for the float32 panel GEMM,
+or of 16 columns by k pairs for the bfloat16 pair GEMM).  The trainer side packs each weight as it is
+used (a copy per call, small next to a training forward over thousands of rows, and no second copy of
+the model held).  The engine reuses the same weights for every step, so it keeps one packed copy per
+weight here, made on first use and dropped whenever the engine sees the weights change.  Packing only
+rearranges values (or widens bfloat16 exactly), so a packed copy gives the same bits as packing again.
 
 Only the model's own 2-D parameters are kept, found by their storage: an activation can never share
 a live parameter's address, so no other product can be served a stale copy.
@@ -18,8 +19,8 @@ import torch
 from cbgen.model.kernels.cpu.parity import parity_pack
 
 
-class PanelPacks:
-    """Packed panels of ``model``'s 2-D floating-point parameters, by storage address."""
+class WeightPacks:
+    """``model``'s 2-D floating-point parameters packed for :func:`cbgen.model.kernels.cpu.parity.parity_linear`, by storage address."""
 
     def __init__(self, model: torch.nn.Module) -> None:
         self.model = model
@@ -35,7 +36,7 @@ class PanelPacks:
         }
 
     def get(self, weight: torch.Tensor) -> torch.Tensor | None:
-        """The panels of ``weight`` (``[N, K]``) when it is one of the model's parameters, else None."""
+        """``weight`` (``[N, K]``) packed, when it is one of the model's parameters, else None."""
         key = weight.data_ptr()
         param = self._params.get(key)
         if param is None or param.shape != weight.shape or param.stride() != weight.stride():

@@ -1,9 +1,11 @@
 """Matrix products whose every output row is reduced over K in one order, whatever the row count.
 
 Where :func:`cbgen.batch_invariant.native.parity_form` says so, a parity kernel computes them: on the
-CPU the panel GEMM (each element one chain of fused multiply-adds over K, whatever the row count;
-the engine passes its packed weights, :mod:`cbgen.batch_invariant.packs`), on CUDA the Triton one.  Elsewhere, torch's GEMM is made to behave: a BLAS picks its kernel, its blocking and sometimes a split of K by the shape of the call, so a row's
-result depends on how many rows share the call.  Here the rows are cut into tiles of :data:`TILE`
+CPU :func:`cbgen.model.kernels.cpu.parity.parity_linear` (each element one fixed chain over K,
+whatever the row count; the engine passes its packed weights, :mod:`cbgen.batch_invariant.packs`), on
+CUDA the Triton one.  Elsewhere torch's GEMM is made to behave: a BLAS picks its kernel, its blocking
+and sometimes a split of K by the shape of the call, so a row's result depends on how many rows share
+the call.  Here the rows are cut into tiles of :data:`TILE`
 rows (the last one padded with zeros) and each tile is one call of the same shape: the same kernel,
 so each row's reduction order depends on K and N only.  Smaller tiles waste less on decode steps,
 larger ones make fewer calls on prefill steps; 32 was picked from 16 / 32 / 64 by a (noisy)
@@ -17,7 +19,7 @@ from collections.abc import Callable
 import torch
 
 from cbgen.batch_invariant.native import parity_form
-from cbgen.batch_invariant.packs import PanelPacks
+from cbgen.batch_invariant.packs import WeightPacks
 from cbgen.model.kernels.cpu.parity import parity_linear
 from cbgen.model.kernels.triton.parity import triton_parity_linear
 
@@ -28,7 +30,7 @@ _ALIGN = 64
 MM = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
-def tiled_mm(mm: MM, a: torch.Tensor, b: torch.Tensor, packs: PanelPacks | None = None) -> torch.Tensor:
+def tiled_mm(mm: MM, a: torch.Tensor, b: torch.Tensor, packs: WeightPacks | None = None) -> torch.Tensor:
     """``a [M, K] @ b [K, N]``: the C parity GEMM (from ``packs``' copy of ``b`` where it holds one),
     or through ``mm`` :data:`TILE` rows at a time (see the module docstring)."""
     tile = TILE

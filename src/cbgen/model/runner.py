@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterator
 import torch
 
 from cbgen.batch_invariant.dispatch import ParityOps
-from cbgen.batch_invariant.packs import PanelPacks
+from cbgen.batch_invariant.packs import WeightPacks
 from cbgen.model import attention
 from cbgen.model.backends import make_backend
 from cbgen.model.cpu_fast.fused_forward import FusedDecoder
@@ -108,7 +108,7 @@ class ModelRunner:
         self.plan = plan
         self.fused: FusedDecoder | None = None
         # Parity mode's packed weights, made on first use and dropped on a weight change.
-        self.parity_packs = PanelPacks(self.model) if plan.parity else None
+        self.parity_packs = WeightPacks(self.model) if plan.parity else None
         if plan.forward == "fused":
             self.fused = FusedDecoder(self.model, self.attn_backend, plan.gemms, plan.c_step)
 
