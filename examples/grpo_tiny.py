@@ -343,4 +343,9 @@ def main(argv: Sequence[str] | None = None) -> GRPOResult:
 
 
 if __name__ == "__main__":
-    sys.exit(0 if main().improved else 1)
+    outcome = main()
+    if torch.distributed.is_initialized():
+        # Stop gloo's threads before interpreter teardown: left to static destructors, a still-joinable
+        # thread aborted rank 0 at exit once ("terminate called without an active exception").
+        torch.distributed.destroy_process_group()
+    sys.exit(0 if outcome.improved else 1)
