@@ -1,19 +1,26 @@
 """Prompt token ids from a request: completions prompts (text or ids, one or many) and chat templating.
 
 Special tokens: a completions prompt is tokenised as it is, control tokens included (its client writes
-the whole prompt anyway).  Chat message text is the user's, inside a template the server applies: by
-default any special-token text in it (``<|im_end|>``, ``<|im_start|>system``...) is kept literal, so
-a message cannot close its turn and forge a system one (``ServerLimits.allow_special_tokens`` parses it).
+the whole prompt anyway).  Everything a chat template renders from the request (message text, names,
+tool calls, tools and their schemas) is the client's data inside a template the server applies: by
+default special-token text anywhere in it (``<|im_end|>``, ``<|im_start|>system``...) is kept literal,
+so no field can close its turn and forge a system one (:mod:`cbgen.server.template_escape` says how;
+``ServerLimits.allow_special_tokens`` parses it instead).
+
+Cost: templating and tokenising are linear in the request's size, and a conversation over the prompt
+limit is refused once a prefix of it is found over (a megabyte of tiny messages costs one render and
+the tokens of about one prompt, not all of it).
 """
 
 from __future__ import annotations
 
-import uuid
+from collections.abc import Callable
 from typing import Any
 
 from cbgen.server.errors import bad_request
 from cbgen.server.schemas import ChatCompletionRequest, ChatMessage, CompletionRequest
 from cbgen.server.state import ServerState
+from cbgen.server.template_escape import ControlTokens, control_tokens
 from cbgen.server.tools import chat_message, template_kwargs, tool_plan
 
 # Text longer than this many characters per token of the limit is first counted on a prefix of that
@@ -22,13 +29,18 @@ from cbgen.server.tools import chat_message, template_kwargs, tool_plan
 _PREFIX_CHARS_PER_TOKEN = 4
 
 
-def _prefix_over_limit(state: ServerState, text: str, literal: bool, what: str) -> None:
-    """400 if a prefix of ``text`` alone has more tokens than the prompt limit."""
+def _prefix_over_limit(
+    state: ServerState, text: str, what: str, count: Callable[[str], int], guard: ControlTokens | None = None
+) -> None:
+    """400 if a prefix of ``text`` alone has more tokens (as ``count`` counts them) than the prompt
+    limit.  ``guard``: the cut is kept off the middle of the template's control tokens."""
     limit = prompt_limit(state)
     cut = _PREFIX_CHARS_PER_TOKEN * (limit + 2)
     if len(text) <= cut:
         return
-    n = len(state.tokenizer.encode(text[:cut], add_special_tokens=False, split_special_tokens=literal))
+    if guard is not None:
+        cut = guard.safe_cut(text, cut)
+    n = count(text[:cut])
     if n > limit + 1:  # + 1: the cut may split a token in two
         raise bad_request(
             f"{what} {'has' if what == 'prompt' else 'have'} more than {n - 1} tokens in the first {cut:,} "
@@ -77,7 +89,7 @@ def completion_prompts(state: ServerState, req: CompletionRequest) -> list[list[
                     "tokens can hold",
                     param="prompt",
                 )
-            _prefix_over_limit(state, item, False, "prompt")
+            _prefix_over_limit(state, item, "prompt", _parsed_count(state))
             ids = list(state.tokenizer.encode(item, add_special_tokens=True))
         else:
             ids = list(item)
@@ -110,7 +122,9 @@ def _message_text(i: int, m: ChatMessage) -> str:
 
 
 def chat_prompt(state: ServerState, req: ChatCompletionRequest) -> list[int]:
-    """The conversation rendered with the tokenizer's chat template, as token ids (not yet length-checked)."""
+    """The conversation rendered with the tokenizer's chat template, as token ids: with the request's
+    special-token text as plain text (unless allowed), and refused (400) as soon as it is found over
+    the prompt limit (the exact check is the caller's)."""
     if state.tokenizer is None or not getattr(state.tokenizer, "chat_template", None):
         raise bad_request("this model has no chat template; use /v1/completions", param="messages")
     # Tools (cbgen.server.tools): checked, and the template must render them; response_format is
@@ -132,73 +146,103 @@ def chat_prompt(state: ServerState, req: ChatCompletionRequest) -> list[int]:
             "tokens can hold",
             param="messages",
         )
+    guard = control_tokens(state.tokenizer, state.special_tokens)
     literal = not state.limits.allow_special_tokens
-    _prefix_over_limit(state, "\n".join(texts), literal, "messages")
-    specials = state.special_tokens
-    if not state.limits.allow_special_tokens and any(t in text for text in texts for t in specials):
-        return _literal_chat_prompt(state, conversation, req.add_generation_prompt, tool_kwargs)
-    return _template_ids(
-        state, conversation, req.add_generation_prompt, tokenize=True, tool_kwargs=tool_kwargs
-    )
+    count = _literal_count(guard) if literal else _parsed_count(state)
+    _prefix_over_limit(state, "\n".join(texts), "messages", count)
+    defused = False
+    if literal:
+        try:
+            (conversation, tool_kwargs), defused = guard.defuse((conversation, tool_kwargs))
+        except RecursionError:
+            raise bad_request("messages or tools are nested too deeply", param="messages") from None
+    rendered = _render(state, conversation, req.add_generation_prompt, tool_kwargs)
+    _check_rendered_chars(state, guard, rendered)
+    if not defused:
+        # The whole text in one call, as apply_chat_template(tokenize=True) would: nothing in it came
+        # from the request as control-token text (or the server allows it).
+        _prefix_over_limit(state, rendered, "messages", _parsed_count(state), guard)
+        return [int(t) for t in state.tokenizer.encode(rendered, add_special_tokens=False)]
+    return _encode_pieces(state, guard, rendered)
 
 
-def _template_ids(
+def _literal_count(guard: ControlTokens) -> Callable[[str], int]:
+    return lambda text: len(guard.encode_literal([text])[0])
+
+
+def _parsed_count(state: ServerState) -> Callable[[str], int]:
+    return lambda text: len(state.tokenizer.encode(text, add_special_tokens=False))
+
+
+def _render(
     state: ServerState,
     conversation: list[dict[str, Any]],
     add_generation_prompt: bool,
-    tokenize: bool,
     tool_kwargs: dict[str, Any],
-) -> Any:
+) -> str:
     try:
-        out = state.tokenizer.apply_chat_template(
+        return state.tokenizer.apply_chat_template(
             conversation,
-            tokenize=tokenize,
+            tokenize=False,
             add_generation_prompt=add_generation_prompt,
             return_dict=False,
             **tool_kwargs,
         )
     except Exception as exc:  # template errors (e.g. a template's raise_exception) are the caller's input
         raise bad_request(f"could not apply the chat template: {exc}", param="messages") from None
-    if not tokenize:
-        return out
-    if hasattr(out, "tolist"):
-        out = out.tolist()
-    if out and isinstance(out[0], list):
-        out = out[0]
-    return [int(t) for t in out]
 
 
-def _literal_chat_prompt(
-    state: ServerState,
-    conversation: list[dict[str, Any]],
-    add_generation_prompt: bool,
-    tool_kwargs: dict[str, Any],
-) -> list[int]:
-    """The templated conversation with each message's text tokenised literally: the template is rendered
-    around a unique marker per message, its own text tokenised with control tokens, each message's
-    text with its special-token text split into ordinary tokens."""
-    tok = state.tokenizer
-    # Messages without text (tool calls) render as they are; only text is kept literal.
-    marks = [f"cbgen-{uuid.uuid4().hex}" if isinstance(m.get("content"), str) else None for m in conversation]
-    rendered = _template_ids(
-        state,
-        [{**m, "content": mark} if mark else m for m, mark in zip(conversation, marks)],
-        add_generation_prompt,
-        tokenize=False,
-        tool_kwargs=tool_kwargs,
-    )
+def _check_rendered_chars(state: ServerState, guard: ControlTokens, rendered: str) -> None:
+    """400 if the templated text is far longer than the prompt limit can hold (before tokenising it:
+    thousands of tiny messages are small in the body and large once templated)."""
+    chars = len(rendered) - rendered.count(guard.escape)
+    limit = prompt_limit(state)
+    if chars > state.max_token_chars * limit:
+        raise bad_request(
+            f"the templated conversation has {chars:,} characters, far more than the prompt limit of {limit} "
+            "tokens can hold",
+            param="messages",
+        )
+
+
+def _encode_pieces(state: ServerState, guard: ControlTokens, rendered: str) -> list[int]:
+    """Token ids of a rendered conversation whose request data held control-token text: the template's
+    control tokens as ids, all other text as plain text.  Tokenised a chunk of about one prompt's worth
+    of text at a time, and refused as soon as the tokens so far are over the prompt limit."""
+    limit = prompt_limit(state)
+    chunk_chars = _PREFIX_CHARS_PER_TOKEN * (limit + 2)
     ids: list[int] = []
-    pos = 0
-    for m, mark in ((m, mark) for m, mark in zip(conversation, marks) if mark):
-        at = rendered.find(mark, pos)
-        if at < 0 or rendered.count(mark) != 1:
+    chunk: list[str | int] = []
+    size = 0
+    for piece in guard.pieces(rendered):
+        chunk.append(piece)
+        size += len(piece) if isinstance(piece, str) else 1
+        if size >= chunk_chars:
+            _encode_chunk(guard, chunk, ids)
+            chunk, size = [], 0
+            if len(ids) > limit:
+                raise bad_request(
+                    f"the templated conversation has more than {len(ids) - 1} tokens, over the limit of "
+                    f"{limit} tokens",
+                    param="messages",
+                )
+    _encode_chunk(guard, chunk, ids)
+    return ids
+
+
+def _encode_chunk(guard: ControlTokens, chunk: list[str | int], out: list[int]) -> None:
+    """Appends the ids of ``chunk`` (control ids and texts, in order) to ``out``."""
+    encoded = iter(guard.encode_literal([p for p in chunk if isinstance(p, str)]))
+    for piece in chunk:
+        if isinstance(piece, int):
+            out.append(piece)
+            continue
+        ids = next(encoded)
+        # A tokenizer whose merges spell a control token from plain text would defeat the split.
+        if not guard.id_set.isdisjoint(ids):
             raise bad_request(
-                "this model's chat template does not place each message's text once, so special-token "
-                "text in a message cannot be kept literal; remove it",
+                "this tokenizer reads special-token text in messages as control tokens even when told "
+                "not to; remove it",
                 param="messages",
             )
-        ids += tok.encode(rendered[pos:at], add_special_tokens=False)
-        ids += tok.encode(m["content"], add_special_tokens=False, split_special_tokens=True)
-        pos = at + len(mark)
-    ids += tok.encode(rendered[pos:], add_special_tokens=False)
-    return [int(t) for t in ids]
+        out.extend(ids)
