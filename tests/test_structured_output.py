@@ -243,6 +243,34 @@ def test_invalid_constraints_are_refused_before_anything_is_queued(model, tok):
             SamplingParams(structured_output=shape)
 
 
+def test_grammar_library_limits_are_refused_before_anything_is_queued(model, tok):
+    """Limits llguidance reports only while masking (was: the request emitted a token or two and
+    ended with finish_reason="error"); a long choice list, which used to hit one, now works."""
+    llm = LLM(model, tok, num_blocks=64)
+    good = SamplingParams(max_tokens=8, structured_output=JSON)
+    many_rules = "start: " + " | ".join(json.dumps(f"w{i}") for i in range(2500))
+    endless = {"type": "object", "properties": {"a": {"$ref": "#"}}, "required": ["a"]}
+    bad = [
+        ({"grammar": many_rules}, "max is 2000"),
+        ({"json": endless}, "Too many items"),
+        ({"json": {"$ref": "#"}}, "matches no output"),
+    ]
+    for spec, words in bad:
+        with pytest.raises(ValueError, match=words):
+            llm.generate([[5, 6], [7, 8]], [good, SamplingParams(structured_output=spec)], use_tqdm=False)
+        assert llm.engine.num_unfinished == 0
+        with pytest.raises(ValueError, match=words):
+            llm.add_requests([[5, 6]], SamplingParams(structured_output=spec))
+        assert llm.engine.num_unfinished == 0
+    options = [f"w{i}" for i in range(2500)]
+    params = SamplingParams(
+        temperature=1.0, seed=0, n=3, max_tokens=10, structured_output={"choice": options}
+    )
+    (out,) = llm.generate([[5, 6]], params, use_tqdm=False)
+    assert [c.finish_reason for c in out.outputs] == ["stop"] * 3
+    assert all(c.text in options for c in out.outputs), [c.text for c in out.outputs]
+
+
 @pytest.mark.slow
 def test_smollm2_64_of_64_valid(smollm2_path):
     """The real model, a nested schema with an enum and an array, 64 chat prompts, sampled."""

@@ -12,12 +12,17 @@
 * ``tool_choice`` ``"required"`` or a named function (see :mod:`cbgen.server.tools`).
 
 At most one of them may constrain a request (a 400 otherwise).  The constraint is compiled here, so a
-schema or grammar that does not compile is a 400 naming the field it came from, before anything is
-queued.
+schema or grammar that does not compile, or that hits one of the grammar library's limits within its
+first tokens, is a 400 naming the field it came from, before anything is queued.
+
+The grammar library's view of the tokenizer (about a second for a 49k vocabulary) is built when the
+server starts (:func:`prepare_structured_output`), not by the first constrained request: request
+planning runs on the event loop, where that second would stall every other connection.
 """
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 from cbgen.server.errors import bad_request
@@ -69,6 +74,13 @@ def structured_kwargs(state: Any, req: SamplingFields) -> dict[str, Any]:
     _compile(state, field, spec)
     out["structured_output"] = spec
     return out
+
+
+async def prepare_structured_output(state: Any) -> bool:
+    """Builds the grammar backend of ``state``'s engine on a worker thread (for the app's startup);
+    True when built, False when structured output is unavailable (the requests that ask for it
+    then get the 400 saying why)."""
+    return await asyncio.to_thread(state.engine.engine.structured.prepare)
 
 
 def _response_format(fmt: dict[str, Any]) -> StructuredOutputParams | None:
@@ -124,4 +136,4 @@ def _plain(exc: Exception) -> str:
     return text
 
 
-__all__ = ["structured_kwargs"]
+__all__ = ["prepare_structured_output", "structured_kwargs"]

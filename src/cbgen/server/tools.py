@@ -11,7 +11,10 @@ become OpenAI ``tool_calls``, with ``finish_reason="tool_calls"``.  ``tool_choic
   ``parallel_tool_calls=false``), each naming a given tool with arguments valid against its schema;
 * ``{"type": "function", "function": {"name": ...}}``: the same, for exactly that tool, once.
 
-A template that does not render tools (its output is the same with and without them) is a 400.
+A tool's ``parameters`` must be a JSON schema with ``"type": "object"`` (OpenAI's rule: arguments are
+a JSON object); absent or ``{}`` is a function without arguments.  Anything else is a 400, whatever
+``tool_choice`` is.  A template that does not render tools (its output is the same with and without
+them) is a 400.
 """
 
 from __future__ import annotations
@@ -101,12 +104,23 @@ def _checked_tool(i: int, tool: Any) -> dict[str, Any]:
         raise bad_request(
             f"{where}.function.name must match [A-Za-z0-9_.-]{{1,64}}", param=f"{where}.function.name"
         )
-    params = fn.get("parameters", {"type": "object", "properties": {}})
-    if not isinstance(params, dict):
-        raise bad_request(
-            f"{where}.function.parameters must be a JSON schema object", param=f"{where}.function"
-        )
+    params = _checked_parameters(fn.get("parameters"), f"{where}.function.parameters")
     return {"type": "function", "function": {**fn, "parameters": params}}
+
+
+def _checked_parameters(params: Any, where: str) -> dict[str, Any]:
+    """A function's ``parameters``: a JSON schema of ``"type": "object"`` (OpenAI's rule: the
+    arguments are always a JSON object).  Absent or ``{}`` is a function without arguments."""
+    if params is None or params == {}:
+        # No arguments at all: the forced call's arguments are exactly {}.
+        return {"type": "object", "properties": {}, "additionalProperties": False}
+    if not isinstance(params, dict):
+        raise bad_request(f"{where} must be a JSON schema object", param=where)
+    kind = params.get("type")
+    if kind != "object":
+        got = "no type" if kind is None else f"type {json.dumps(kind)}"
+        raise bad_request(f'{where} must be a JSON schema with "type": "object" (got {got})', param=where)
+    return params
 
 
 # ---------------------------------------------------------------------------------------- prompt
@@ -175,7 +189,7 @@ def chat_message(i: int, m: ChatMessage) -> dict[str, Any] | None:
         args = fn.get("arguments", "{}")
         if isinstance(args, str):
             # Templates expect a mapping (they JSON-encode it themselves); a non-JSON string stays.
-            with contextlib.suppress(ValueError):
+            with contextlib.suppress(ValueError, RecursionError):
                 args = json.loads(args)
         calls.append(
             {"id": call.get("id"), "type": "function", "function": {"name": fn["name"], "arguments": args}}
@@ -186,30 +200,31 @@ def chat_message(i: int, m: ChatMessage) -> dict[str, Any] | None:
 
 # ---------------------------------------------------------------------------------------- grammar
 def forced_call_grammar(plan: ToolPlan, tokenizer: Any) -> StructuredOutputParams:
-    """A Lark grammar whose sentences are tool-call blocks naming the allowed tools with valid arguments."""
+    """A Lark grammar whose sentences are tool-call blocks naming the allowed tools with valid arguments.
+
+    Each tool's arguments are their own ``%json`` rule, so each schema is compiled at its own root,
+    exactly as ``response_format`` would compile it: ``$ref`` pointers (``#/$defs/...``, ``#`` for
+    recursion) resolve from the tool's schema.  One combined schema (``anyOf`` over the tools, the
+    arguments under ``properties``) would move every schema away from the root its pointers name."""
     tools = [t for t in plan.tools if plan.choice != "named" or t["function"]["name"] == plan.named]
-    options = [
-        {
-            "type": "object",
-            "properties": {
-                "name": {"const": t["function"]["name"]},
-                "arguments": t["function"]["parameters"],
-            },
-            "required": ["name", "arguments"],
-            "additionalProperties": False,
-        }
-        for t in tools
-    ]
-    schema = {"anyOf": options, "x-guidance": _JSON_STYLE}
     start = 'start: call ("\\n" call)*' if plan.parallel else "start: call"
-    grammar = "\n".join(
-        [
-            start,
-            f'call: {_literal(OPEN, tokenizer)} "\\n" body "\\n" {_literal(CLOSE, tokenizer)}',
-            "body: %json " + json.dumps(schema),
-        ]
-    )
-    return StructuredOutputParams(grammar=grammar)
+    lines = [
+        start,
+        f'call: {_literal(OPEN, tokenizer)} "\\n" body "\\n" {_literal(CLOSE, tokenizer)}',
+        "body: " + " | ".join(f"tool_{i}" for i in range(len(tools))),
+    ]
+    for i, tool in enumerate(tools):
+        # The envelope is fixed text: the separators the JSON style below uses for the arguments.
+        head = json.dumps({"name": tool["function"]["name"]})[:-1] + ', "arguments": '
+        lines.append(f"tool_{i}: {json.dumps(head)} args_{i} {json.dumps('}')}")
+        lines.append(f"args_{i}: %json " + json.dumps(_styled(tool["function"]["parameters"])))
+    return StructuredOutputParams(grammar="\n".join(lines))
+
+
+def _styled(schema: dict[str, Any]) -> dict[str, Any]:
+    """``schema`` with the forced calls' JSON formatting, unless it asks for its own."""
+    own = schema.get("x-guidance")
+    return {**schema, "x-guidance": {**_JSON_STYLE, **(own if isinstance(own, dict) else {})}}
 
 
 def _literal(text: str, tokenizer: Any) -> str:

@@ -37,7 +37,9 @@ class GrammarBackend(Protocol):
     name: str
 
     def compile(self, spec: StructuredOutputParams) -> Any:
-        """The compiled grammar; raises ``ValueError`` naming the problem if it does not compile."""
+        """The compiled grammar; raises ``ValueError`` naming the problem if it does not compile,
+        or if it breaks a limit of the library that a request would only meet on its first
+        tokens (a library that reports limits lazily must look for them here)."""
         ...
 
     def new_matcher(self, compiled: Any) -> GrammarMatcher:

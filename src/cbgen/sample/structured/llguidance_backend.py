@@ -3,6 +3,14 @@
 JSON schemas compile with fixed separators (``", "`` and ``": "``) and no free whitespace: small
 models otherwise tend to emit whitespace until ``max_tokens`` and leave the JSON unfinished.  A
 schema can still ask for other settings through llguidance's ``"x-guidance"`` key.
+
+llguidance checks a grammar's text when it is built, but reports some of its limits only while
+computing masks (an Earley row past ``max_items_in_row``, a step past ``step_max_items``, a grammar
+that matches nothing).  :meth:`LLGuidanceBackend.compile` therefore also computes the masks of the
+grammar's first tokens along a few paths (:func:`_probe`), so such a constraint is refused before
+it is queued instead of failing its request after a token or two.  A limit that only a particular
+longer output reaches (deep nesting of a recursive schema) can still end that request with
+``finish_reason="error"``.
 """
 
 from __future__ import annotations
@@ -25,6 +33,12 @@ except ImportError as exc:  # pragma: no cover - exercised only without the opti
     ) from exc
 
 _JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+# The probe at compile time: masks after 0, 1 and 2 tokens, along this many paths (9 masks, a few
+# milliseconds for a JSON schema over a 49k vocabulary; cached with the compiled grammar).
+_PROBE_PATHS = 4
+_PROBE_DEPTH = 2
+# llguidance's stop reasons that, as a matcher's error, mean no text can be generated at all.
+_NOTHING = ("NoExtension", "NoExtensionBias")
 
 
 class _Matcher:
@@ -78,24 +92,32 @@ class LLGuidanceBackend:
         if kind == "regex":
             return matcher.grammar_from_regex(spec.regex)
         if kind == "choice":
-            # Lark string literals take JSON escapes, so any string is one literal.
-            return matcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in spec.choice))
+            # One terminal, an alternation of literals (Lark string literals take JSON escapes):
+            # the lexer matches it, so the list may be long.  One rule alternative per string
+            # would put every string into one Earley row, which llguidance caps at 2,000 items.
+            options = " | ".join(json.dumps(c) for c in spec.choice)
+            return matcher.grammar_from_lark(f"start: CHOICE\nCHOICE: {options}")
         return matcher.grammar_from_lark(spec.grammar)
 
     def compile(self, spec: StructuredOutputParams) -> Any:
-        """A matcher at the grammar's start, kept as the template later matchers are copied from."""
+        """A matcher at the grammar's start, kept as the template later matchers are copied from.
+
+        Raises ``ValueError`` if the grammar does not compile, matches nothing, or hits one of
+        llguidance's limits within its first tokens (see :func:`_probe`)."""
+        where = f"SamplingParams.structured_output.{spec.kind}"
         try:
             text = self.grammar_text(spec)
         except ValueError as exc:
-            raise ValueError(f"SamplingParams.structured_output.{spec.kind}: {exc}") from None
+            raise ValueError(f"{where}: {exc}") from None
         problem = llguidance.LLMatcher.validate_grammar(text, self.tokenizer)
         if problem:
-            raise ValueError(f"SamplingParams.structured_output.{spec.kind}: {problem.strip()}")
+            raise ValueError(f"{where}: {problem.strip()}")
         template = llguidance.LLMatcher(self.tokenizer, text, log_level=0)
         if template.is_error():
-            raise ValueError(
-                f"SamplingParams.structured_output.{spec.kind}: {template.get_error().splitlines()[0]}"
-            )
+            raise ValueError(f"{where}: {_first_line(template.get_error())}")
+        problem = _probe(template, self.tokenizer.vocab_size, set(self.tokenizer.eos_tokens))
+        if problem:
+            raise ValueError(f"{where}: {problem}")
         return template
 
     def new_matcher(self, compiled: Any) -> _Matcher:
@@ -107,6 +129,66 @@ class LLGuidanceBackend:
         if matchers:
             pairs = [(m.inner, i) for m, i in matchers]
             llguidance.torch.fill_next_token_bitmask_par(self.executor, pairs, bitmask)
+
+
+def _first_line(error: str) -> str:
+    """llguidance's error without the parser state dump that follows its first line."""
+    return error.split("\n", 1)[0].strip()
+
+
+def _probe(template: Any, vocab_size: int, eos: set[int]) -> str:
+    """Why ``template``'s first tokens cannot be generated, or an empty string.
+
+    Computes the mask at the start, then after one and two tokens along :data:`_PROBE_PATHS`
+    paths (allowed tokens spread over the vocabulary; EOS never, it would end the path), on copies:
+    the template stays at the start.  These are the masks a request computes first, so a limit
+    llguidance reports only while computing them shows here instead of in a running request."""
+    frontier = [template.deep_copy()]
+    for depth in range(_PROBE_DEPTH + 1):
+        following = []
+        for matcher in frontier:
+            mask = matcher.compute_bitmask()
+            if matcher.is_error():
+                return _explained(matcher, depth)
+            if depth == _PROBE_DEPTH:
+                continue
+            tokens = _spread(_allowed(mask, vocab_size, eos), _PROBE_PATHS if depth == 0 else 1)
+            for token in tokens:
+                step = matcher.deep_copy()
+                if not step.consume_token(token):
+                    return _explained(step, depth + 1)
+                following.append(step)
+        frontier = following
+    return ""
+
+
+def _explained(matcher: Any, depth: int) -> str:
+    error = _first_line(matcher.get_error())
+    if error in _NOTHING:
+        return f"the grammar matches no output (llguidance: {error})"
+    where = "at the start" if depth == 0 else f"after {depth} token{'s' if depth > 1 else ''}"
+    return f"exceeds a limit of the grammar library {where} of the output: {error}"
+
+
+def _allowed(mask: bytes, vocab_size: int, eos: set[int]) -> list[int]:
+    """The tokens set in llguidance's bitmask (bit ``t % 8`` of byte ``t // 8``), EOS left out.
+
+    A plain loop over the non-zero bytes: masks this early are mostly zero, and a torch unpack of
+    the whole vocabulary costs more than the masks themselves."""
+    return [
+        8 * i + bit
+        for i, byte in enumerate(mask)
+        if byte
+        for bit in range(8)
+        if byte >> bit & 1 and 8 * i + bit < vocab_size and 8 * i + bit not in eos
+    ]
+
+
+def _spread(tokens: list[int], k: int) -> list[int]:
+    """Up to ``k`` of ``tokens``, evenly spaced (deterministic, so a compile is reproducible)."""
+    if len(tokens) <= k:
+        return tokens
+    return [tokens[i * (len(tokens) - 1) // max(k - 1, 1)] for i in range(k)]
 
 
 __all__ = ["LLGuidanceBackend"]

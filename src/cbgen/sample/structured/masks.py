@@ -50,8 +50,9 @@ class StructuredOutputs:
     ``tokenizer`` must be a Hugging Face fast tokenizer; ``vocab_size`` is the logits width and
     ``eos_token_ids`` the tokens a finished grammar allows.  The backend is built on first use (for
     llguidance that reads the whole vocabulary, about a second), so engines that never see a
-    constrained request pay nothing.  ``validate`` may run on another thread than the steps (the
-    async engine validates on the caller's thread): the cache and the lazy start are locked.
+    constrained request pay nothing; a server builds it at start instead (:meth:`prepare`), so no
+    request waits for it.  ``validate`` may run on another thread than the steps (the async engine
+    validates on the caller's thread): the cache and the lazy start are locked.
     """
 
     def __init__(
@@ -91,6 +92,23 @@ class StructuredOutputs:
                     self.tokenizer, self.vocab_size, self.eos_token_ids
                 )
             return self._backend
+
+    @property
+    def ready(self) -> bool:
+        """Whether the backend is built (a constrained request then pays only its compile)."""
+        return self._backend is not None
+
+    def prepare(self) -> bool:
+        """Builds the backend now rather than on the first constrained request; True once built.
+
+        False, and nothing raised, when it cannot be built (the grammar library is not installed,
+        no tokenizer, a tokenizer it cannot read): the first constrained request then reports why,
+        as it would have without this call."""
+        try:
+            self.backend  # noqa: B018 - the property builds it
+        except (ImportError, ValueError):
+            return False
+        return True
 
     def validate(self, params: SamplingParams) -> None:
         """Compiles ``params.structured_output`` (or finds it compiled); raises ``ValueError``."""
