@@ -201,3 +201,68 @@ def test_streaming_with_holdback_never_leaks_stop_text(tokenizer) -> None:
             streamed = safe
         assert final == text[: text.index(stop)]
         assert final.startswith(streamed)
+
+
+# ------------------------------------------------------------------------------ output layer
+def _stream_outputs(tokenizer, output: list[int], **params) -> tuple[str, str]:
+    """Feeds ``output`` token by token through the engine's output layer under the engine's update
+    rule (a stop token ends the request before any stop-string check); returns the joined stream
+    deltas and the final full text."""
+    from cbgen.core.update import stop_status
+    from cbgen.output_processor import OutputProcessor
+    from cbgen.request import RequestGroup
+    from cbgen.sampling_params import SamplingParams
+
+    sp = SamplingParams(max_tokens=len(output), **params)
+    group = RequestGroup.create("r", tokenizer.encode("Hi", add_special_tokens=False), sp, frozenset())
+    group.stream = True
+    r = group.samples[0]
+    proc = OutputProcessor(tokenizer)
+    proc.init_request(r, stream=True)
+    deltas = []
+    for t in output:
+        r.append_token(t)
+        status = stop_status(r, t, 1 << 20, proc.check_stop_strings)
+        if status is not None:
+            r.status = status
+        deltas.append(proc.make_output(group, delta=True).outputs[0].text)
+        if r.is_finished:
+            break
+    assert r.is_finished
+    return "".join(deltas), proc.make_output(group).outputs[0].text
+
+
+@pytest.mark.parametrize("stop", [None, ["never"]])
+@pytest.mark.parametrize("skip", [True, False])
+def test_stop_token_text_never_streamed(tokenizer, stop, skip) -> None:
+    """A stop token's text is left out of the text (as vLLM does), and no delta ever carried it."""
+    words = tokenizer.encode("The capital of France is Paris. Yes.", add_special_tokens=False)
+    period = tokenizer.encode(".", add_special_tokens=False)[0]
+    eos = tokenizer.eos_token_id
+    for output in (words[: words.index(period) + 1], [*words, eos]):
+        kwargs = dict(stop_token_ids=[output[-1]], stop=stop, skip_special_tokens=skip)
+        joined, final = _stream_outputs(tokenizer, output, **kwargs)
+        assert joined == final == tokenizer.decode(output[:-1], skip_special_tokens=skip)
+        joined, final = _stream_outputs(tokenizer, output, include_stop_str_in_output=True, **kwargs)
+        assert joined == final == tokenizer.decode(output, skip_special_tokens=skip)
+
+
+def test_min_tokens_holds_back_stop_strings_in_the_output_layer(tokenizer) -> None:
+    output = tokenizer.encode(" a, b, c, d, e, f", add_special_tokens=False)
+    pieces = [tokenizer.decode([t]) for t in output]
+    assert pieces == [" a", ",", " b", ",", " c", ",", " d", ",", " e", ",", " f"]
+    # (min_tokens, text): a ", " counts once a token past the first min_tokens completes it, even
+    # when its comma came from one of those tokens (min_tokens=2, 4, 10).
+    expected = [
+        (0, " a"),
+        (1, " a"),
+        (2, " a"),
+        (3, " a, b"),
+        (4, " a, b"),
+        (5, " a, b, c"),
+        (10, " a, b, c, d, e"),
+        (11, " a, b, c, d, e, f"),  # no token left after min_tokens: runs to max_tokens
+    ]
+    for min_tokens, text in expected:
+        joined, final = _stream_outputs(tokenizer, output, stop=[", "], min_tokens=min_tokens)
+        assert joined == final == text, min_tokens

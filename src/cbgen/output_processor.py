@@ -3,6 +3,10 @@
 Text is only built incrementally when something needs it during generation (stop strings or
 streaming); otherwise each sample is decoded once when it finishes, which keeps per-step CPU work
 off the hot path.
+
+Stop semantics follow vLLM: a stop token (EOS or one of ``stop_token_ids``) stays in
+``token_ids`` but its text is left out of ``text`` unless ``include_stop_str_in_output``, and
+``min_tokens`` holds back stop strings as it holds back stop tokens.
 """
 
 from __future__ import annotations
@@ -11,7 +15,7 @@ from dataclasses import dataclass, field
 
 from cbgen.detokenizer import IncrementalDetokenizer, StopStringMatcher
 from cbgen.outputs import CompletionOutput, RequestOutput
-from cbgen.request import Request, RequestGroup
+from cbgen.request import Request, RequestGroup, RequestStatus
 
 
 @dataclass
@@ -50,18 +54,30 @@ class OutputProcessor:
         state: SampleState = r.output_state
         if state.detok is None:
             return
-        outputs = r.token_ids[r.num_prompt_tokens :]
-        if state.fed_tokens < len(outputs):
-            state.detok.add_tokens(outputs[state.fed_tokens :])
-            state.fed_tokens = len(outputs)
+        start, end = r.num_prompt_tokens, _text_end(r)
+        if state.fed_tokens < end:
+            state.detok.add_tokens(r.token_ids[start + state.fed_tokens : start + end])
+            state.fed_tokens = end
 
     def check_stop_strings(self, r: Request, token: int) -> str | None:
-        """Feeds the new token to the detokeniser; returns the matched stop string, if any."""
+        """Feeds the new token to the detokeniser; returns the matched stop string, if any.
+
+        ``min_tokens``: text produced by the first ``min_tokens`` output tokens cannot complete a
+        stop string, so nothing stops the request before token ``min_tokens + 1``, as for stop
+        tokens.  Decision for a match that begins in that text and is completed by a later token:
+        it counts and ends the request (vLLM does the same), even though the text cut before it
+        is then shorter than what the first ``min_tokens`` tokens spelled.  ``min_tokens`` counts
+        generated tokens, not characters of the returned text, just as the text of a stop token
+        is dropped.  Requiring the whole match to lie after those tokens instead would run on past
+        a stop string completed after ``min_tokens``, and differ from vLLM.
+        """
         state: SampleState = r.output_state
         if state.matcher is None:
             return None
         before = len(state.detok.text)
         self._feed(r)
+        if r.num_output_tokens <= r.params.min_tokens:
+            return None
         text = state.detok.text
         matched, cut = state.matcher.check(text, len(text) - before)
         if matched is not None:
@@ -85,7 +101,8 @@ class OutputProcessor:
             # Hold back what could still become a stop string.
             hold = state.matcher.holdback if state.matcher is not None else 0
             return state.detok.text[: max(0, len(state.detok.text) - hold)] if hold else state.detok.text
-        return self.tokenizer.decode(r.output_token_ids, skip_special_tokens=r.params.skip_special_tokens)
+        outputs = r.token_ids[r.num_prompt_tokens : r.num_prompt_tokens + _text_end(r)]
+        return self.tokenizer.decode(outputs, skip_special_tokens=r.params.skip_special_tokens)
 
     def make_output(self, group: RequestGroup, delta: bool = False) -> RequestOutput:
         """Full (or, for streams, incremental) output of a group."""
@@ -131,3 +148,21 @@ class OutputProcessor:
             error="; ".join(errors) if errors else None,
             num_cached_tokens=leader.num_cached_tokens,
         )
+
+
+def _text_end(r: Request) -> int:
+    """How many output tokens the text covers: all of them, except a stop token that ended the
+    request (its id stays in ``token_ids``) unless ``include_stop_str_in_output``.
+
+    A stop token is only known to be one once the request has finished on it, and it is the last
+    token then; it was never given to the detokeniser before, so no streamed delta holds its text.
+    """
+    num_output = len(r.token_ids) - r.num_prompt_tokens
+    if (
+        r.status is RequestStatus.FINISHED_STOPPED
+        and not isinstance(r.stop_reason, str)  # a string is a stop string: cut by the matcher
+        and not r.params.include_stop_str_in_output
+        and num_output > 0
+    ):
+        return num_output - 1
+    return num_output

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -169,3 +170,145 @@ def test_bad_words_through_sampler() -> None:
     )
     out = Sampler(vocab, [BadWordsProcessor()])(logits.expand(2, -1).contiguous(), [req, ok])
     assert out.token_ids.tolist() == [8, 3]
+
+
+# ---------------------------------------------------------------------------------------------- validation
+# bad_words and logit_bias are checked before a request runs: nothing in them may fail in the sampler.
+
+
+@pytest.mark.parametrize(
+    "words",
+    [
+        "mat",  # a bare string, not a list of words
+        [[]],
+        [[-1]],
+        [[1, 2.0]],
+        [[True]],
+        [""],
+        ["   "],
+        [b"mat"],
+        [7],
+    ],
+)
+def test_bad_words_refused_when_built(words) -> None:
+    with pytest.raises(ValueError, match="bad_words"):
+        SamplingParams(logits_processor_args={"bad_words": words})
+
+
+def test_bad_words_normalised_without_touching_the_callers_dict() -> None:
+    args = {"bad_words": [(np.int64(3), 4)], "other": 1}
+    params = SamplingParams(logits_processor_args=args)
+    assert params.logits_processor_args == {"bad_words": [[3, 4]], "other": 1}
+    assert type(params.logits_processor_args["bad_words"][0][0]) is int
+    assert args == {"bad_words": [(np.int64(3), 4)], "other": 1}
+
+
+def test_bad_word_strings_without_tokenizer_refused_at_validation() -> None:
+    params = SamplingParams(logits_processor_args={"bad_words": [" mat", [5]]})
+    with pytest.raises(ValueError, match=r"bad_words.*strings need a tokenizer.*token-id"):
+        params.verify_for_model(100, 5)
+    assert params.logits_processor_args == {"bad_words": [" mat", [5]]}  # nothing changed
+
+
+@pytest.fixture(scope="module")
+def smollm2_llm(smollm2_path):
+    from cbgen import LLM
+    from cbgen.model.loading.loader import load_model
+
+    model, tokenizer = load_model(smollm2_path, dtype=torch.float32)
+    return LLM(model, tokenizer, block_size=16)
+
+
+CAT = "The cat sat on the"  # SmolLM2 continues greedily with " cat's back, and the"
+
+
+def _first_tokens(llm, params: SamplingParams) -> list[int]:
+    out = llm.generate(CAT, params, use_tqdm=False)[0]
+    assert out.error is None and out.outputs[0].text
+    return out.outputs[0].token_ids
+
+
+@pytest.mark.slow
+def test_bad_word_strings_resolve_like_vllm(smollm2_llm) -> None:
+    """With the tokenizer, each string becomes its bare and its space-prefixed spelling."""
+    tok = smollm2_llm.tokenizer
+
+    def enc(text: str) -> list[int]:
+        return tok.encode(text, add_special_tokens=False)
+
+    params = SamplingParams(
+        temperature=0, max_tokens=3, logits_processor_args={"bad_words": ["cat's", "  cat", [5, 6]]}
+    )
+    params.verify_for_model(len(tok), 5, tokenizer=tok)
+    want = [enc("cat's"), enc(" cat's"), enc("cat"), enc(" cat"), [5, 6]]
+    assert params.logits_processor_args["bad_words"] == want
+    assert len(enc(" cat's")) == 2 and enc(" cat") == enc(" cat's")[:1]
+
+    # Through the engine: the free continuation starts " cat" "'s"; banning " cat" changes the first
+    # token, banning "cat's" only the second (its last token after its prefix).
+    free = _first_tokens(smollm2_llm, SamplingParams(temperature=0, max_tokens=3))
+    assert free[:2] == enc(" cat's")
+    for words, same_prefix in ((["cat"], 0), (["cat's"], 1)):
+        params = SamplingParams(temperature=0, max_tokens=3, logits_processor_args={"bad_words": words})
+        params.verify_for_model(len(tok), 5, tokenizer=tok)
+        got = _first_tokens(smollm2_llm, params)
+        assert got[:same_prefix] == free[:same_prefix] and got[same_prefix] != free[same_prefix]
+
+
+@pytest.mark.slow
+def test_bad_word_strings_never_fail_at_run_time(smollm2_llm) -> None:
+    """vLLM's string form through LLM: refused before anything runs while the engine does not hand
+    its tokenizer to validation, honoured once it does; never an empty, failed sample."""
+    params = SamplingParams(temperature=0, max_tokens=3, logits_processor_args={"bad_words": ["cat"]})
+    try:
+        got = _first_tokens(smollm2_llm, params)
+    except ValueError as exc:
+        assert "bad_words" in str(exc) and "token-id" in str(exc)
+        assert not smollm2_llm.engine.has_unfinished()
+    else:
+        assert got[0] not in smollm2_llm.tokenizer.encode(" cat", add_special_tokens=False)
+
+
+@pytest.mark.parametrize(
+    "key",
+    [
+        "\u0661\u0662",  # Arabic-Indic "12": str.isdecimal() says yes, int() reads 12
+        "\uff11\uff12",  # fullwidth "12"
+        "-5",
+        "+5",
+        " 5",
+        "5.0",
+        "",
+        "9" * 5000,  # int() itself would refuse it, with its own message
+        1.0,
+        True,
+    ],
+)
+def test_logit_bias_keys_are_ascii_digit_token_ids(key) -> None:
+    with pytest.raises(ValueError, match=r"logit_bias: key .* is not a token id"):
+        SamplingParams(logit_bias={key: 1.0})
+
+
+def test_logit_bias_accepts_integers_and_ascii_digit_strings() -> None:
+    params = SamplingParams(logit_bias={"12": 1, "007": -2.5, np.int64(3): -math.inf, 4: 0})
+    assert params.logit_bias == {12: 1.0, 7: -2.5, 3: -math.inf, 4: 0.0}
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        dict(logit_bias={"\ud800": 1}),
+        dict(logit_bias={"\udfff" * 10_000: 1}),
+        dict(logit_bias={str(i): 1 for i in range(10_000)} | {"x\ud800": 1}),
+        dict(stop=["ok", 5]),
+        dict(logits_processor_args={"bad_words": [["\ud800" * 1000]]}),
+    ],
+)
+def test_validation_messages_are_bounded_and_encodable(kwargs) -> None:
+    """User strings are quoted escaped and cut short: a lone surrogate in a JSON key must give a
+    400 whose message can be sent, not a 500 while encoding it."""
+    with pytest.raises(ValueError) as info:
+        SamplingParams(**kwargs)
+    message = str(info.value)
+    message.encode("utf-8")  # raises UnicodeEncodeError on a lone surrogate
+    assert message.isascii() and len(message) < 400

@@ -84,7 +84,10 @@ class BadWordsProcessor:
     """Bans token sequences (``arg``: ``list[list[int]]``).
 
     The last token of a sequence is banned whenever the generated output (not the prompt) ends
-    with the rest of the sequence; a single-token sequence is always banned.
+    with the rest of the sequence; a single-token sequence is always banned.  Words given as
+    strings (vLLM's form) never get here: request validation turns them into token-id sequences
+    when it has a tokenizer and refuses them otherwise
+    (:meth:`~cbgen.sampling_params.SamplingParams.verify_for_model`).
     """
 
     name = "bad_words"
