@@ -82,6 +82,7 @@ class LLM:
         )
         self.engine = Engine(self.model, self.tokenizer, self.config, logits_processors)
         self._finished: dict[str, RequestOutput] = {}
+        self.engine.on_abort = self._file_abort
         self._paused = False
 
     # ------------------------------------------------------------------ prompts
@@ -168,10 +169,17 @@ class LLM:
     def drive_until_empty(
         self, on_step: Callable[[int, StepStats], None] | None = None, use_tqdm: bool = False
     ) -> dict[str, RequestOutput]:
-        """Runs steps until no request is left; returns every output finished since the last call."""
+        """Runs steps until no request is left; returns every output finished since the last call,
+        by request id.  Requests ended with ``llm.engine.abort(id)`` (before this call or from
+        ``on_step``) are among them, with the tokens they had and ``finish_reason == "abort"``: the
+        output ``abort`` returned."""
         self._run(None, on_step=on_step, use_tqdm=use_tqdm)
         done, self._finished = self._finished, {}
         return done
+
+    def _file_abort(self, out: RequestOutput) -> None:
+        """Engine hook: an aborted request's final output, kept for :meth:`drive_until_empty`."""
+        self._finished[out.request_id] = out
 
     def _run(
         self,

@@ -1,5 +1,6 @@
 """EnginePool: two Ray actors give one engine's greedy outputs; an actor that dies mid-run fails
-only its own requests, and the pool keeps serving with the other."""
+only its own requests, and the pool keeps serving with the other; bad input raises what
+``LLM.generate`` raises, before anything runs."""
 
 from __future__ import annotations
 
@@ -61,6 +62,37 @@ def test_a_dying_actor_fails_only_its_requests(model_dir):
         assert pool.num_alive == 1
         again = pool.generate(prompts[:6], GREEDY)  # the pool keeps serving with the survivor
         assert [o.outputs[0].token_ids for o in again] == ref[:6]
+    finally:
+        pool.shutdown()
+
+
+def _prompt_tokens_seen(pool) -> list[int]:
+    """Prompt tokens each actor's engine has taken so far."""
+    return ray.get([a.__ray_call__.remote(lambda actor: actor.llm.stats.prompt_tokens) for a in pool.actors])
+
+
+def test_bad_input_raises_what_generate_raises_before_anything_runs(model_dir):
+    prompts = make_prompts(4, lengths=(3, 10), vocab=300, seed=4)
+    cases = {
+        "params length": (prompts[:3], [GREEDY] * 2),
+        "out of vocabulary": ([*prompts[:3], [5, 300, 6]], GREEDY),  # the last chunk's prompt
+        "string without a tokenizer": ([*prompts[:3], "hello"], GREEDY),
+        "not SamplingParams": (prompts, [GREEDY, GREEDY, GREEDY, {"max_tokens": 3}]),
+    }
+    local = LLM(str(model_dir), block_size=8, tokenizer=False)
+    pool = EnginePool(2, str(model_dir), num_cpus=1, block_size=8, tokenizer=False, chunk_size=1)
+    try:
+        for case, (batch, params) in cases.items():
+            with pytest.raises(Exception) as want:
+                local.generate(batch, params, use_tqdm=False)
+            with pytest.raises(Exception) as got:
+                pool.generate(batch, params)
+            assert type(got.value) is type(want.value) is ValueError, case
+            assert str(got.value) == str(want.value), case
+        assert _prompt_tokens_seen(pool) == [0, 0], "a chunk ran before the input was checked"
+        assert [o.outputs[0].token_ids for o in pool.generate(prompts, GREEDY)] == _reference(
+            model_dir, prompts
+        )
     finally:
         pool.shutdown()
 

@@ -8,6 +8,7 @@ Everything runs on CPU with gloo.
 from __future__ import annotations
 
 import dataclasses
+import faulthandler
 import json
 import sys
 import time
@@ -146,6 +147,65 @@ def scenario_dp(out: Path, arch: str) -> dict:
     sampled = _tokens(llm.generate([PROMPTS[1]], unseeded, use_tqdm=False))
     seeded = _tokens(llm.generate([PROMPTS[1]], dataclasses.replace(unseeded, seed=5), use_tqdm=False))
     return {"dp": dp, "alone": alone, "share": share, "unseeded": sampled, "seeded": seeded}
+
+
+# A rank stuck this long in one generate_dp call dumps its stack and exits: the error tests fail in
+# seconds where a rank left behind in a collective would wait out the group's 30-minute timeout.
+CALL_LIMIT_S = 30
+
+
+def _attempt(call) -> dict:
+    """One generate_dp call under the watchdog: its tokens, or the exception it raised."""
+    faulthandler.dump_traceback_later(CALL_LIMIT_S, exit=True)
+    try:
+        return {"tokens": _tokens(call())}
+    except Exception as exc:
+        return {"type": type(exc).__name__, "message": str(exc), "notes": getattr(exc, "__notes__", [])}
+    finally:
+        faulthandler.cancel_dump_traceback_later()
+
+
+def _fail_second_forward(llm) -> None:
+    """This rank's next generation fails in its second forward (requests are in flight by then)."""
+    execute, calls = llm.engine.runner.execute, []
+
+    def failing(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            llm.engine.runner.execute = execute
+            raise RuntimeError("boom: the forward failed")
+        return execute(*args, **kwargs)
+
+    llm.engine.runner.execute = failing
+
+
+def scenario_dp_errors(out: Path, arch: str) -> dict:
+    """generate_dp calls that fail on one rank or on every rank, each caught and followed by a call
+    that must work: every rank must raise the same error, and the next call must find the ranks in
+    step (the watchdog ends a rank left waiting in a collective)."""
+    path = _save_tiny(arch, out)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    llm = LLM(model, block_size=8)
+    rank = dist.get_rank()
+    prompts = [*PROMPTS, [11, 12, 13]]
+
+    def dp(batch, params=GREEDY):
+        return generate_dp(llm, batch, params, use_tqdm=False)
+
+    oov = [list(p) for p in prompts]
+    if rank == 1:
+        oov[1] = [9, 999, 10]  # in rank 1's own share; the tiny vocabulary has 300 ids
+    result = {"oov": _attempt(lambda: dp(oov))}
+    result["after_oov"] = _attempt(lambda: dp(prompts))
+    result["params_len"] = _attempt(lambda: dp(prompts[:3], [GREEDY] * 2))  # wrong on every rank
+    short = [GREEDY] * (len(prompts) - 1 if rank == 0 else len(prompts))
+    result["params_len_rank0"] = _attempt(lambda: dp(prompts, short))  # wrong on rank 0 only
+    if rank == 1:
+        _fail_second_forward(llm)
+    result["generation"] = _attempt(lambda: dp(prompts))
+    result["after_generation"] = _attempt(lambda: dp(prompts))
+    result["alone"] = _tokens(LLM(model, block_size=8).generate(prompts, GREEDY, use_tqdm=False))
+    return result
 
 
 def scenario_driver(out: Path, arch: str) -> dict:

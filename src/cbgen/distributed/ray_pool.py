@@ -5,6 +5,10 @@ One actor per engine (per GPU, or per share of the CPUs), each holding an :class
 two chunks at a time, handing the next chunk to whichever actor finishes first (least-loaded
 dispatch).  An actor that dies fails only the chunks it held: their outputs come back with
 ``finish_reason == "error"`` and the reason, the actor is dropped, and the rest go on.
+
+Input is checked as ``LLM.generate`` checks it, with its exceptions and messages, before any chunk
+is handed out: the number of ``SamplingParams`` here, the prompts and params by one actor's engine
+(the checks need its vocabulary, limits and tokenizer).
 """
 
 from __future__ import annotations
@@ -14,6 +18,8 @@ from collections import deque
 from collections.abc import Sequence
 from typing import Any
 
+from cbgen.distributed.dp import RankFailure, check_inputs
+from cbgen.llm import LLM
 from cbgen.outputs import CompletionOutput, RequestOutput
 
 
@@ -27,6 +33,15 @@ class _EngineActor:
 
     def generate(self, prompts: list, params: Any) -> list[RequestOutput]:
         return self.llm.generate(prompts, params, use_tqdm=False)
+
+    def check(self, prompts: list, params: Any) -> RankFailure | None:
+        """What ``LLM.generate`` would raise on this input before running anything, as data (a Ray
+        task error would wrap the message in a remote traceback)."""
+        try:
+            check_inputs(self.llm, prompts, params)
+        except Exception as exc:
+            return RankFailure.of(0, exc)
+        return None
 
     def ping(self) -> bool:
         return True
@@ -73,7 +88,11 @@ class EnginePool:
         ``SamplingParams`` or one per prompt."""
         if not self.actors:
             raise RuntimeError("every engine of the pool has died")
-        per_prompt = list(params) if isinstance(params, (list, tuple)) else None
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # one prompt, as LLM.generate takes it
+        prompts = list(prompts)
+        per_prompt = LLM._params_list(params, len(prompts))  # its ValueError, before Ray is involved
+        self._check(prompts, per_prompt)
         size = self.chunk_size or max(1, math.ceil(len(prompts) / (4 * len(self.actors))))
         chunks = deque(list(range(i, min(i + size, len(prompts)))) for i in range(0, len(prompts), size))
         results: list[RequestOutput | None] = [None] * len(prompts)
@@ -82,7 +101,7 @@ class EnginePool:
         def dispatch(actor: Any) -> None:
             if chunks:
                 idx = chunks.popleft()
-                chunk_params = [per_prompt[i] for i in idx] if per_prompt is not None else params
+                chunk_params = [per_prompt[i] for i in idx]
                 running[actor.generate.remote([prompts[i] for i in idx], chunk_params)] = (actor, idx)
 
         for actor in list(self.actors):
@@ -96,9 +115,7 @@ class EnginePool:
             except self._ray.exceptions.RayActorError as exc:
                 self._drop(actor)
                 for i in idx:
-                    results[i] = _failed(
-                        i, prompts[i], _n(per_prompt, params, i), f"engine actor died: {exc}"
-                    )
+                    results[i] = _failed(i, prompts[i], per_prompt[i].n, f"engine actor died: {exc}")
                 continue
             for i, out in zip(idx, outputs):
                 results[i] = out
@@ -108,10 +125,23 @@ class EnginePool:
                 dispatch(self.actors[0])
         for i, out in enumerate(results):  # chunks no live actor could take
             if out is None:
-                results[i] = _failed(
-                    i, prompts[i], _n(per_prompt, params, i), "every engine of the pool has died"
-                )
+                results[i] = _failed(i, prompts[i], per_prompt[i].n, "every engine of the pool has died")
         return results
+
+    def _check(self, prompts: list, per_prompt: list) -> None:
+        """Raises what ``LLM.generate`` would raise on this input (its type and message), checked by
+        the first live actor's engine."""
+        while self.actors:
+            actor = self.actors[0]
+            try:
+                failure = self._ray.get(actor.check.remote(prompts, per_prompt))
+            except self._ray.exceptions.RayActorError:
+                self._drop(actor)
+                continue
+            if failure is not None:
+                raise failure.exception(failure.message, "the engine actor")
+            return
+        raise RuntimeError("every engine of the pool has died")
 
     def _drop(self, actor: Any) -> None:
         if actor in self.actors:
@@ -122,11 +152,6 @@ class EnginePool:
         for actor in self.actors:
             self._ray.kill(actor)
         self.actors = []
-
-
-def _n(per_prompt: list | None, params: Any, i: int) -> int:
-    chosen = per_prompt[i] if per_prompt is not None else params
-    return getattr(chosen, "n", 1) or 1
 
 
 def _failed(index: int, prompt: Any, n: int, reason: str) -> RequestOutput:

@@ -1,11 +1,14 @@
 """Notices when the shared model's weights change, so cached K/V computed under old weights is dropped.
 
 An optimizer step, ``load_state_dict`` and any other in-place update bump the parameters' version
-counters; replacing ``param.data`` changes its storage pointer; a PEFT adapter switch or a
-``disable_adapter()`` context changes adapter flags without touching any tensor.  Fused optimizer
+counters; replacing ``param.data`` changes its storage pointer; PEFT changes the adapter's forward without
+touching any watched tensor (an adapter switch, a ``disable_adapter()`` context, a LoRA scale set by
+``set_scale``/``scale_layer``, a merge, whose ``.data`` write on the base weight no version counter
+sees), so the fingerprint also holds each tuner layer's state (:func:`_adapter_state`).  Fused optimizer
 kernels (``AdamW(fused=True)``) update parameters without bumping their version counters, so every
 ``Optimizer.step`` also bumps a process-wide step counter through an optimizer post-hook.  The
-fingerprint covers all of this and costs one pass over the parameter list per step.
+fingerprint covers all of this and costs one pass over the parameter list and one over the tuner
+layers per step.
 
 Not detectable cheaply: writes through ``param.data`` (a ``.data`` alias has its own version
 counter).  After such writes call ``LLM.notify_weights_updated()``.
@@ -51,7 +54,7 @@ class WeightWatcher:
         for p in self._params:
             versions += p._version
             pointers ^= p.data_ptr()
-        adapters = tuple((bool(m.disable_adapters), tuple(m.active_adapters)) for m in self._adapter_modules)
+        adapters = tuple(map(_adapter_state, self._adapter_modules))
         return versions, pointers, len(self._params), adapters, _optimizer_steps, self._forced
 
     def force_change(self) -> None:
@@ -85,6 +88,30 @@ def _adapter_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
         if isinstance(flag, property) and hasattr(m, "active_adapters"):
             layers.append(m)
     return layers
+
+
+def _adapter_state(layer: torch.nn.Module) -> tuple:
+    """What of a PEFT tuner layer's own state changes its forward: whether adapters are disabled,
+    which are active, which are merged into the base weight, their scales, and whether inputs are cast
+    to the adapter's dtype.
+
+    It runs for every tuner layer on every step, so it reads the instance's ``__dict__`` (no property
+    calls, no ``nn.Module.__getattr__`` fallback): PEFT's ``set_adapter``, ``enable_adapters``,
+    ``merge``, ``set_scale`` and ``scale_layer`` all write instance attributes, and a class default
+    never changes.  Lists and dicts are copied into tuples because PEFT mutates them in place.
+    Left out: ``r`` and ``lora_alpha`` (they act through ``scaling``), ``lora_dropout`` (training
+    only) and the adapter weights (watched as parameters)."""
+    d = layer.__dict__
+    active = d.get("_active_adapter")  # "a" at first, ["a"] after set_adapter("a"): the same state
+    merged = d.get("merged_adapters")
+    scaling = d.get("scaling")
+    return (
+        d.get("_disable_adapters"),
+        (active,) if active is None or isinstance(active, str) else tuple(active),
+        None if merged is None else tuple(merged),
+        tuple(scaling.items()) if isinstance(scaling, dict) else None,
+        d.get("cast_input_dtype_enabled"),
+    )
 
 
 def _local_tensors(model: torch.nn.Module) -> list[torch.Tensor]:
