@@ -33,12 +33,13 @@ SERVE_ARGS ?=
 BENCH_ARGS ?= --suite default --cold-start
 
 .DEFAULT_GOAL := help
-.PHONY: help venv install install-test demo test test-suite test-asan fuzz lint format bench serve clean distclean
+.PHONY: help venv install install-test demo test test-suite test-asan fuzz models lint format bench serve clean distclean
 
 help:
 	@echo "make demo       generate with the bundled SmolLM2-135M-Instruct (sets up .venv first)"
 	@echo "make test       run the test suite, then the C kernel tests under AddressSanitizer (sets up .venv first)"
 	@echo "make fuzz       the long engine fuzz soak (FUZZ_MINUTES=30)"
+	@echo "make models     run every causal LM of the installed transformers against generate(); writes docs/models.md"
 	@echo "make lint       ruff check + ruff format --check"
 	@echo "make format     ruff format + ruff check --fix"
 	@echo "make bench      install the benchmark harness (benchmarks/) and run the default suite"
@@ -100,6 +101,11 @@ FUZZ_MINUTES ?= 30
 fuzz: $(VENV)/.installed-test
 	FUZZ_RANDOM=1 FUZZ_EXAMPLES=50 FUZZ_SECONDS=$$(( $(FUZZ_MINUTES) * 20 )) \
 	$(TEST_ENV) $(PY) -m pytest -q -s tests/test_engine_fuzz.py
+
+# The support matrix over the whole causal-LM mapping (~5 min); CI runs a fixed subset of it
+# (tests/matrix/test_support_matrix.py) and checks that the committed table is complete.
+models: $(VENV)/.installed-test
+	$(TEST_ENV) $(PY) tests/matrix/matrix.py --dtypes float32,bfloat16 --write docs/models.md
 
 lint: $(VENV)/.installed
 	$(PY) -m ruff check src tests benchmarks

@@ -57,6 +57,10 @@ class EngineConfig:
     # Tensor parallelism: how long a rank waits for its group's root at each exchange before it
     # fails with an error (a rank died or the ranks diverged) instead of hanging.
     distributed_timeout: float = 600.0
+    # At engine start, run two short sequences through the packed, paged forward and compare them
+    # with the model's own forward; a model that differs is refused (cbgen.model.support.probe).
+    # False skips that check (the config-based refusals stay).
+    verify_model: bool = True
 
     def __post_init__(self) -> None:
         def need(cond: bool, msg: str) -> None:

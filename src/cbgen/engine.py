@@ -22,7 +22,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -36,6 +36,7 @@ from cbgen.distributed.topology import topology_of
 from cbgen.engine_control import EngineControl
 from cbgen.inputs import as_token_ids
 from cbgen.limits import RequestLimits
+from cbgen.model import support
 from cbgen.model.input_batch import InputBuilder, ModelInput
 from cbgen.model.kv_cache import KVCache, KVGeometry, choose_num_blocks
 from cbgen.model.loading.weights import WeightWatcher
@@ -68,6 +69,7 @@ class Engine:
     ) -> None:
         self.config = config = config or EngineConfig()
         self.model = model
+        support.check_model(model)
         self.tokenizer = tokenizer
         param = next(model.parameters())
         self.device = param.device
@@ -79,6 +81,16 @@ class Engine:
         self.max_model_len = int(
             config.max_model_len or getattr(text_config, "max_position_embeddings", None) or 1 << 20
         )
+        limit = support.length_limit(model)
+        if limit is not None and self.max_model_len > limit:
+            if config.max_model_len:
+                raise support.UnsupportedModelError(
+                    f"max_model_len={config.max_model_len} exceeds {limit}, the attention chunk of "
+                    f"{type(model).__name__}'s chunked-attention layers: the paged kernels attend the "
+                    "whole context, which equals chunked attention only within one chunk"
+                )
+            logger.info("cbgen: max_model_len capped at %d, the model's attention chunk", limit)
+            self.max_model_len = limit
         self.eos_token_ids = frozenset(self._eos_ids(model, tokenizer))
 
         self._build_device_side(model, config)
@@ -120,12 +132,19 @@ class Engine:
         # The one value carried from a step to the next (overlap scheduling only).
         self.in_flight: InFlight | None = None
         self.control = EngineControl(self)
+        # Receives the final output of every non-streamed request an abort ends: such a request
+        # never comes out of a step, and LLM.drive_until_empty still owes it to its caller.
+        # Streamed ones belong to their stream's reader (AsyncEngine, the server).
+        self.on_abort: Callable[[RequestOutput], None] | None = None
 
     def _build_device_side(self, model: torch.nn.Module, config: EngineConfig) -> None:
         """The KV cache sized for this model and budget, the block manager and scheduler over it,
         the execution plan (resolved once, logged), the runner that follows it, and the input
         builder."""
-        geometry = KVGeometry.from_model(model, self.dtype)
+        try:
+            geometry = KVGeometry.from_model(model, self.dtype)
+        except Exception as exc:  # whatever the config raises, the model is refused with it
+            raise support.geometry_error(model, exc) from exc
         num_blocks = choose_num_blocks(
             geometry,
             config.block_size,
@@ -149,6 +168,8 @@ class Engine:
             cuda_graph_max_batch=config.cuda_graph_max_batch,
         )
         self.runner.warmup()
+        if config.verify_model:
+            support.probe(self)
         # Short prefill chunks as decode-kernel rows: measured on the C kernels only (see input_batch).
         self.input_builder = InputBuilder(
             config.block_size, self.device, row_prefill_max=plan.row_prefill_max, num_blocks=num_blocks
@@ -182,7 +203,8 @@ class Engine:
         return f"req-{self._counter}"
 
     def validate(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
-        """Raises ``ValueError`` naming the problem; changes nothing."""
+        """Raises ``ValueError`` naming the problem.  Changes nothing, except that bad words given as
+        strings are resolved to token ids on ``params`` (vLLM's form; repeating it is a no-op)."""
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
         if len(prompt_token_ids) == 0:
@@ -191,7 +213,7 @@ class Engine:
         if bad is not None:
             raise ValueError(f"prompt token id {bad!r} is outside the vocabulary [0, {self.vocab_size})")
         self.request_limits.check_prompt(len(prompt_token_ids))
-        params.verify_for_model(self.vocab_size, self.config.max_logprobs)
+        params.verify_for_model(self.vocab_size, self.config.max_logprobs, tokenizer=self.tokenizer)
         if params.stop and self.tokenizer is None:
             raise ValueError(
                 "SamplingParams.stop: stop strings need a tokenizer (pass one to LLM/Engine, or use "
@@ -269,7 +291,10 @@ class Engine:
                 ended += step_update.finish(self.scheduler, sample, RequestStatus.FINISHED_ABORTED)
         self._count_ended(ended)
         self.scheduler.remove_finished()
-        return self._group_output(group) if len(samples) > 1 or group.all_finished() else None
+        out = self._group_output(group) if len(samples) > 1 or group.all_finished() else None
+        if out is not None and out.finished and not group.stream and self.on_abort is not None:
+            self.on_abort(out)
+        return out
 
     def abort_all(self, error: str) -> list[RequestOutput]:
         """Ends every request in flight as failed with ``error`` (after a step raised: the state of

@@ -1,8 +1,13 @@
 """Paged attention, plugged into transformers through ``AttentionInterface``.
 
 The batch metadata travels as a keyword argument of the model call (``cbgen_meta``), which
-transformers forwards to every attention call.  Nothing is stored on the model: paged-ness belongs
-to the call, so a plain forward or a training step on the same module is unaffected.
+transformers forwards to every attention call.  Some decoder layers call their attention module
+without forwarding their keyword arguments; for them the runner also publishes the step's metadata
+in a context variable (:data:`CURRENT_META`) for the duration of the forward.  A context variable
+rather than a field on the model or the cache: it is scoped to the thread and the step, so a
+plain forward or a training step on the same module, even in another thread during a step, is
+unaffected.  (transformers' own continuous batching reaches attention through the cache object
+instead; cbgen passes no cache, since the model's KV handling would run on every layer for nothing.)
 
 Packed layout of one step: ``T`` tokens in one row (batch dimension 1).  The first
 ``num_decode`` tokens are single-token rows (decodes, or a prompt's last token after a prefix-cache
@@ -11,15 +16,34 @@ hit); after them come prefill chunks, one contiguous run of query tokens per seq
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import copy
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
 from transformers import AttentionInterface
 
 from cbgen.model.kernels.reference import paged_ops, varlen
+from cbgen.model.support import UNSUPPORTED_ATTENTION_KWARGS
 
 ATTN_NAME = "cbgen_paged"
+
+# The metadata of the step running in this thread, for layers that drop the ``cbgen_meta`` kwarg.
+CURRENT_META: contextvars.ContextVar[AttentionMetadata | None] = contextvars.ContextVar(
+    "cbgen_step_metadata", default=None
+)
+
+
+@contextlib.contextmanager
+def step_metadata(meta: AttentionMetadata) -> Iterator[None]:
+    """Publishes ``meta`` as this thread's current step metadata for the duration of a forward."""
+    token = CURRENT_META.set(meta)
+    try:
+        yield
+    finally:
+        CURRENT_META.reset(token)
 
 
 @dataclass
@@ -252,7 +276,15 @@ def paged_attention_forward(
     """
     meta: AttentionMetadata | None = kwargs.get("cbgen_meta")
     if meta is None:
-        raise _no_metadata_error()
+        meta = CURRENT_META.get()
+        if meta is None:
+            raise _no_metadata_error(module)
+    for name, what in UNSUPPORTED_ATTENTION_KWARGS.items():
+        if kwargs.get(name) is not None:
+            raise NotImplementedError(
+                f"{type(module).__name__} passes `{name}` to attention ({what}), which cbgen's paged "
+                "kernels do not implement"
+            )
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     backend = meta.backend
     k_cache, v_cache = meta.kv_caches[module.layer_idx]
@@ -274,11 +306,12 @@ def paged_attention_forward(
     return out[None], None
 
 
-def _no_metadata_error() -> RuntimeError:
+def _no_metadata_error(module: torch.nn.Module) -> RuntimeError:
     return RuntimeError(
-        "cbgen's paged attention was called without cbgen metadata: the model was used from another "
-        "thread while a cbgen step was running. Run training and generation from one thread, or use "
-        "LLM.pause() around training steps."
+        f"cbgen's paged attention was called by {type(module).__name__} outside a cbgen step of this "
+        "thread: during a step the model's attention implementation is switched to cbgen's, so a "
+        "forward of the same model from another thread at that moment lands here. Run training and "
+        "generation from one thread, or use LLM.pause() around training steps."
     )
 
 

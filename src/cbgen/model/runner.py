@@ -35,7 +35,11 @@ def model_forward(
     rows: torch.Tensor,
     meta: attention.AttentionMetadata,
 ) -> torch.Tensor:
-    """The packed forward: logits ``[R, V]`` for ``rows`` of the batch, attention through ``meta``."""
+    """The packed forward: logits ``[R, V]`` for ``rows`` of the batch, attention through ``meta``.
+
+    ``meta`` reaches the attention function as a keyword argument, which transformers threads
+    through every layer, and, for models whose layers drop their keyword arguments, through
+    :data:`attention.CURRENT_META`, set by the runner around the forward."""
     out = model(
         input_ids=input_ids[None],
         position_ids=positions[None],
@@ -79,7 +83,6 @@ class ModelRunner:
         self.device = plan.device
         self.attn_name = attention.register()
         self._configs = attention.attention_configs(model)
-        self._check_layers()
         self.attn_backend = backend = make_backend(plan.attention, plan.device)
         backend.check_geometry(kv_cache.block_size, kv_cache.geometry.head_dim)
         self.compiled = plan.compile
@@ -146,7 +149,8 @@ class ModelRunner:
         rows: torch.Tensor,
         meta: attention.AttentionMetadata,
     ) -> torch.Tensor:
-        return model_forward(self.model, input_ids, positions, rows, meta)
+        with attention.step_metadata(meta):
+            return model_forward(self.model, input_ids, positions, rows, meta)
 
     def _compiled_forward(
         self,
@@ -158,7 +162,7 @@ class ModelRunner:
         # One compiled function per process, with the model as an argument: every engine built on
         # the same model (a new LLM per RL round or benchmark run) reuses the compiled buckets.
         # Each batch bucket is its own static-shape graph, hence the raised recompile limit.
-        with torch._dynamo.config.patch(recompile_limit=_COMPILE_LIMIT):
+        with torch._dynamo.config.patch(recompile_limit=_COMPILE_LIMIT), attention.step_metadata(meta):
             return _compiled_model_forward()(self.model, input_ids, positions, rows, meta)
 
     def warmup(self) -> None:
@@ -166,16 +170,6 @@ class ModelRunner:
         if self.static is not None and self.static.use_cuda_graphs:
             with torch.inference_mode(), self._paged_mode():
                 self.static.capture_all()
-
-    def _check_layers(self) -> None:
-        indices = {
-            m.layer_idx for m in self.model.modules() if hasattr(m, "layer_idx") and hasattr(m, "config")
-        }
-        if not indices:
-            raise ValueError(
-                "cbgen needs a transformers model whose attention modules carry `layer_idx`; "
-                f"{type(self.model).__name__} has none"
-            )
 
     @contextlib.contextmanager
     def _paged_mode(self) -> Iterator[None]:

@@ -1,0 +1,333 @@
+"""Which models cbgen runs, decided once at engine start.
+
+cbgen runs the user's module unmodified and reaches its attention through transformers'
+``AttentionInterface``: every step is one packed row of many sequences, and only attention knows
+where one sequence ends.  So a model runs exactly when everything that mixes tokens of a sequence
+goes through that interface, and the rest of the model is per-token.  A model that breaks this is
+refused, with a reason naming the part, never run into a silently wrong answer.
+
+Two checks, both at engine start:
+
+* :func:`check_model` (static, before the KV cache is sized) refuses what the config already says:
+  encoder-decoders, layer kinds that keep state outside a KV cache (state-space, linear-attention,
+  recurrent and convolution layers, named by the config's per-layer types), bidirectional attention,
+  models with no attention module that transformers routes through the interface, and KV shapes the
+  paged cache cannot hold.
+* :func:`probe` (dynamic, once the runner exists) runs two short sequences through the engine's own
+  forward the way steps run them: packed together, one of them split into two chunks, the other
+  continued by a decode row.  It compares every position's logits with the model's plain forward of
+  each sequence alone.  What the static check cannot see (a token-shift convolution, positions
+  computed from the row instead of ``position_ids``, an attention module that bypasses the
+  interface, an attention kwarg the paged kernels do not implement) shows up as a mismatch there,
+  and the first decoder layer whose output differs is named in the refusal.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+# Per-layer kinds the paged cache holds exactly.  Chunked attention (Llama 4) is local attention
+# in fixed chunks: exact while a sequence fits in one chunk, which length_limit() enforces.
+ATTENTION_KINDS = frozenset({"full_attention", "sliding_attention", "chunked_attention", "attention"})
+_LAYER_TYPE_FIELDS = ("layer_types", "layers_block_type", "block_types")
+# Nemotron-H style patterns: one character per layer.
+_PATTERN_KINDS = {"*": "attention", "-": "MLP", "E": "mixture of experts"}
+# Attention arguments that change the math and that the paged kernels do not implement.
+UNSUPPORTED_ATTENTION_KWARGS = {
+    "s_aux": "attention sinks (a learned per-head logit in the softmax)",
+    "sinks": "attention sinks (a learned per-head logit in the softmax)",
+}
+
+
+class UnsupportedModelError(ValueError):
+    """The model cannot run exactly under cbgen's paged cache; the message says which part and why."""
+
+
+def text_config(model: torch.nn.Module):
+    """The config that describes the model's decoder stack."""
+    config = model.config
+    try:
+        return config.get_text_config(decoder=True)
+    except (TypeError, ValueError, AttributeError):
+        return config
+
+
+def _layer_kinds(config) -> dict[str, list[int]]:
+    """Per-layer kind -> layer indices, from whichever per-layer field the config has."""
+    for name in _LAYER_TYPE_FIELDS:
+        kinds = getattr(config, name, None)
+        if isinstance(kinds, (list, tuple)) and kinds:
+            out: dict[str, list[int]] = {}
+            for i, kind in enumerate(kinds):
+                out.setdefault(str(kind), []).append(i)
+            return out
+    pattern = getattr(config, "hybrid_override_pattern", None)
+    if isinstance(pattern, str) and pattern:
+        out = {}
+        for i, ch in enumerate(pattern):
+            kind = _PATTERN_KINDS.get(ch, f"'{ch}' (a state-space or other non-attention mixer)")
+            out.setdefault(kind, []).append(i)
+        return {k: v for k, v in out.items() if k not in ("MLP", "mixture of experts")}
+    return {}
+
+
+def _kind_reason(kind: str) -> str:
+    k = kind.lower()
+    if "index" in k or "compress" in k or "sparse" in k:
+        return "sparse attention that keeps its own compressed or indexer cache"
+    if "hybrid" in k:
+        return "attention and a state-space mixer in one layer, whose state is not a KV cache"
+    return "a state-space, recurrent, convolution or linear-attention layer, whose state is not a KV cache"
+
+
+def _layers_text(indices: list[int]) -> str:
+    shown = ", ".join(map(str, indices[:6])) + (", ..." if len(indices) > 6 else "")
+    return f"layer{'s' if len(indices) > 1 else ''} {shown}"
+
+
+def check_model(model: torch.nn.Module) -> None:
+    """Raises :class:`UnsupportedModelError` when the config or module tree already shows that
+    ``model`` cannot run exactly (see the module docstring)."""
+    name = type(model).__name__
+    if getattr(model.config, "is_encoder_decoder", False):
+        raise UnsupportedModelError(f"{name} is an encoder-decoder model; cbgen runs decoder-only models")
+    config = text_config(model)
+    kinds = _layer_kinds(config)
+    foreign = {k: v for k, v in kinds.items() if k not in ATTENTION_KINDS and k != "attention"}
+    if foreign:
+        described = "; ".join(f"'{k}' at {_layers_text(v)}: {_kind_reason(k)}" for k, v in foreign.items())
+        raise UnsupportedModelError(
+            f"{name} has layers that are not softmax attention over a KV cache ({described}); "
+            "cbgen's paged cache holds only keys and values per token"
+        )
+    if getattr(config, "kv_lora_rank", None):
+        raise UnsupportedModelError(
+            f"{name} uses multi-head latent attention (kv_lora_rank={config.kv_lora_rank}): its keys "
+            "and values have different head sizes, and cbgen's paged cache holds one head size for both"
+        )
+    attention = [m for m in model.modules() if hasattr(m, "layer_idx") and hasattr(m, "config")]
+    if not attention:
+        candidates = sorted(
+            {type(m).__name__ for m in model.modules() if "attention" in type(m).__name__.lower()}
+        )
+        found = f" (its attention modules: {', '.join(candidates[:4])})" if candidates else ""
+        raise UnsupportedModelError(
+            f"{name}'s attention modules carry no `layer_idx`{found}: they do not go through "
+            "transformers' attention interface, the only way cbgen reaches a model's attention"
+        )
+    bidirectional = [m for m in attention if getattr(m, "is_causal", True) is False]
+    if bidirectional:
+        raise UnsupportedModelError(
+            f"{name}'s attention is bidirectional ({type(bidirectional[0]).__name__}.is_causal is False; "
+            "for BERT-style models, `is_decoder=False` in the config): generation needs causal attention"
+        )
+
+
+def length_limit(model: torch.nn.Module) -> int | None:
+    """The longest sequence the model runs exactly under cbgen, where the architecture sets one:
+    chunked-attention layers attend within fixed chunks, and the paged kernels attend the whole
+    context, so the two agree only while a sequence fits in one chunk."""
+    config = text_config(model)
+    if "chunked_attention" in _layer_kinds(config):
+        chunk = getattr(config, "attention_chunk_size", None)
+        return int(chunk) if chunk else None
+    return None
+
+
+def geometry_error(model: torch.nn.Module, exc: Exception) -> UnsupportedModelError:
+    """The refusal for a model whose KV-cache shape cannot be read as one size for every layer."""
+    return UnsupportedModelError(
+        f"cbgen cannot read one KV-cache shape (layers, KV heads, head size) for {type(model).__name__} "
+        f"from its config: {type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
+    )
+
+
+# ----------------------------------------------------------------------------------------- probe
+
+_A_LEN, _B_LEN, _B_SPLIT = 9, 13, 6
+
+
+def _probe_tokens(vocab: int) -> tuple[list[int], list[int]]:
+    # Deterministic, spread over the vocabulary, away from the lowest ids (often special tokens).
+    lo = min(3, vocab - 1)
+    span = max(vocab - lo, 1)
+    a = [lo + (7919 * i + 17) % span for i in range(_A_LEN + 1)]
+    b = [lo + (104729 * i + 5) % span for i in range(_B_LEN)]
+    return a, b
+
+
+def _tolerance(dtype: torch.dtype) -> float:
+    """Largest accepted |logit difference| relative to the largest |logit|: far above the rounding
+    of a packed against a padded computation, far below what a leaked state or a wrong position does."""
+    return 2e-3 if dtype in (torch.float32, torch.float64) else 8e-2
+
+
+def _decoder_layers(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
+    """The decoder stack's layers, in order (the largest ModuleList of the model)."""
+    best: tuple[str, torch.nn.ModuleList] | None = None
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.ModuleList) and (best is None or len(module) > len(best[1])):
+            best = (name, module)
+    if best is None:
+        return []
+    return [(f"{best[0]}.{i}", layer) for i, layer in enumerate(best[1])]
+
+
+class _LayerTaps:
+    """Records each decoder layer's first output tensor while active."""
+
+    def __init__(self, layers: list[tuple[str, torch.nn.Module]]) -> None:
+        self.layers = layers
+        self.outputs: list[list[torch.Tensor]] = [[] for _ in layers]
+        self.handles = []
+
+    def __enter__(self) -> _LayerTaps:
+        for i, (_, layer) in enumerate(self.layers):
+            self.handles.append(layer.register_forward_hook(self._hook(i)))
+        return self
+
+    def _hook(self, i: int):
+        def hook(_module, _args, output):
+            out = output[0] if isinstance(output, (tuple, list)) else output
+            if isinstance(out, torch.Tensor):
+                self.outputs[i].append(out.detach().float().reshape(-1, out.shape[-1]).clone())
+
+        return hook
+
+    def __exit__(self, *exc) -> None:
+        for handle in self.handles:
+            handle.remove()
+
+
+def probe(engine) -> None:
+    """Runs the engine's forward on two short sequences as steps run them (packed together, split
+    into chunks, continued by a decode row) and compares every position's logits with the model's
+    plain forward of each sequence alone; raises :class:`UnsupportedModelError` naming the first
+    decoder layer whose output differs (see the module docstring)."""
+    from cbgen.model.input_batch import InputBuilder
+
+    model, bs = engine.model, engine.kv_cache.block_size
+    need = -(-(_A_LEN + 1) // bs) + -(-_B_LEN // bs)
+    if engine.kv_cache.num_blocks < need or engine.max_model_len < _B_LEN:
+        return
+    tokens = _probe_tokens(engine.vocab_size)
+    # Row prefill (short chunks as decode rows) is part of what runs, so the probe builds like the engine.
+    builder = InputBuilder(bs, engine.device, row_prefill_max=engine.plan.row_prefill_max, num_blocks=need)
+    engine.kv_cache.allocate()
+    paged, _ = _paged_logits(engine, builder, tokens, need, layers=None)
+    plain, _ = _plain_logits(model, tokens, engine.device, layers=None)
+    err = _relative_error(paged, plain)
+    if math.isfinite(err) and err <= _tolerance(engine.dtype):
+        return
+    # Run both again with every decoder layer's output recorded, to name where they part.  (Not on
+    # the first run: hooks change the model's structure, which makes the runner re-plan.)
+    layers = _decoder_layers(model)
+    _, paged_layers = _paged_logits(engine, builder, tokens, need, layers)
+    _, plain_layers = _plain_logits(model, tokens, engine.device, layers)
+    where = _first_divergent_layer(layers, paged_layers, plain_layers, engine.dtype)
+    raise UnsupportedModelError(
+        f"{type(model).__name__} gives different logits under cbgen's packed, paged forward than its "
+        f"own forward (relative error {err:.2g}{where}): a part of it mixes tokens outside "
+        "transformers' attention interface (a convolution, a recurrent state, positions computed from "
+        "the row) or passes attention an argument the paged kernels do not implement"
+    )
+
+
+def _paged_logits(
+    engine, builder, tokens, need: int, layers
+) -> tuple[tuple[torch.Tensor, torch.Tensor], list]:
+    """Logits of sequences A and B at every position, as two engine steps compute them: step 1
+    packs A's prompt with B's first chunk, step 2 A's decode row with B's second chunk."""
+    from cbgen.request import Request
+    from cbgen.sampling_params import SamplingParams
+
+    a_tokens, b_tokens = tokens
+    bs = engine.kv_cache.block_size
+    params = SamplingParams(max_tokens=1)
+    a = Request("cbgen-probe-a", a_tokens[:_A_LEN], params)
+    b = Request("cbgen-probe-b", b_tokens, params)
+    a.block_ids = list(range(-(-(_A_LEN + 1) // bs)))
+    b.block_ids = list(range(len(a.block_ids), need))
+    steps = [[(a, _A_LEN), (b, _B_SPLIT)], [(a, 1), (b, _B_LEN - _B_SPLIT)]]
+    got = []
+    taps = _LayerTaps(layers or [])
+    try:
+        with taps:
+            for step in steps:
+                batch = builder.build(step, engine.kv_cache.layers)
+                batch.logits_indices = torch.arange(batch.num_tokens, device=engine.device)
+                got.append(engine.runner.execute(batch).float().cpu())
+                for r, n in step:
+                    r.num_computed_tokens += n
+                if step is steps[0]:
+                    a.token_ids.append(a_tokens[_A_LEN])
+    except UnsupportedModelError:
+        raise
+    except Exception as exc:  # a failing packed forward is a refusal, with its cause
+        raise UnsupportedModelError(
+            f"{type(engine.model).__name__} fails under cbgen's packed, paged forward: {_one_line(exc)}"
+        ) from exc
+    finally:
+        with torch.inference_mode():
+            for layer in engine.kv_cache.layers:
+                for t in layer:
+                    t[:need].zero_()
+    s1, s2 = got
+    # Packed order: decode rows first, then prefill chunks in order.
+    return (torch.cat([s1[:_A_LEN], s2[:1]]), torch.cat([s1[_A_LEN:], s2[1:]])), taps.outputs
+
+
+def _plain_logits(model, tokens, device, layers) -> tuple[tuple[torch.Tensor, torch.Tensor], list]:
+    """The model's own forward of A and of B, each alone."""
+    taps = _LayerTaps(layers or [])
+    try:
+        with torch.inference_mode(), taps:
+            out = tuple(
+                model(torch.tensor([t], device=device), use_cache=False).logits[0].float().cpu()
+                for t in tokens
+            )
+    except Exception as exc:
+        raise UnsupportedModelError(
+            f"{type(model).__name__}'s own forward on input_ids alone fails ({_one_line(exc)}); cbgen "
+            "feeds the model token ids and positions only"
+        ) from exc
+    return out, taps.outputs
+
+
+def _relative_error(got: tuple[torch.Tensor, ...], want: tuple[torch.Tensor, ...]) -> float:
+    """Largest |difference| over the largest |reference value| (at least 1)."""
+    scale = max(max(float(w.abs().max()) for w in want), 1.0)
+    return max(float((g - w).abs().max()) for g, w in zip(got, want, strict=True)) / scale
+
+
+def _one_line(exc: BaseException) -> str:
+    text = str(exc).splitlines()[0][:240] if str(exc) else ""
+    return f"{type(exc).__name__}: {text}"
+
+
+def _first_divergent_layer(
+    layers, paged: list[list[torch.Tensor]], plain: list[list[torch.Tensor]], dtype
+) -> str:
+    """``; the first layer whose output differs is ...`` or ``""`` where the layers' outputs cannot
+    be compared (the fused forward calls no layer module)."""
+    for (name, layer), p_out, r_out in zip(layers, paged, plain, strict=False):
+        if len(p_out) != 2 or len(r_out) != 2 or p_out[0].shape[0] != _A_LEN + _B_SPLIT:
+            return ""
+        s1, s2 = p_out
+        got = (torch.cat([s1[:_A_LEN], s2[:1]]), torch.cat([s1[_A_LEN:], s2[1:]]))
+        if any(g.shape != w.shape for g, w in zip(got, r_out, strict=True)):
+            return ""
+        err = _relative_error(got, tuple(r_out))
+        if not math.isfinite(err) or err > _tolerance(dtype):
+            mixers = sorted(
+                {
+                    type(m).__name__
+                    for m in layer.children()
+                    if not any(k in type(m).__name__.lower() for k in ("norm", "mlp", "dropout", "linear"))
+                }
+            )
+            inside = f", which holds {', '.join(mixers)}" if mixers else ""
+            return f"; the first layer whose output differs is {name} ({type(layer).__name__}{inside})"
+    return ""
