@@ -14,10 +14,11 @@ from starlette.responses import JSONResponse, Response
 
 from cbgen.async_engine import AsyncEngine
 from cbgen.server.auth import APIKeyMiddleware
-from cbgen.server.errors import ALLOWED_METHODS, install_error_handlers
+from cbgen.server.errors import ALLOWED_METHODS, InternalErrorMiddleware, install_error_handlers
 from cbgen.server.generation import run_plan
 from cbgen.server.metrics import CONTENT_TYPE
-from cbgen.server.state import OFFLOAD_BYTES, ServerLimits, ServerState
+from cbgen.server.state import LARGE_BYTES, OFFLOAD_BYTES, ServerLimits, ServerState
+from cbgen.server.structured import prepare_structured_output
 from cbgen.server.translate import GenerationPlan, plan_request, read_body
 
 # Handlers are module-level and find their app's state on the request, so one router serves any app.
@@ -68,7 +69,7 @@ for _path in ALLOWED_METHODS:
 async def _plan(request: Request, state: ServerState, chat: bool) -> GenerationPlan:
     raw = await read_body(request, state.limits.max_body_bytes, state.limits.body_timeout)
     if len(raw) >= OFFLOAD_BYTES:
-        return await state.off_loop(lambda: plan_request(state, chat, raw))
+        return await state.off_loop(lambda: plan_request(state, chat, raw), large=len(raw) >= LARGE_BYTES)
     return plan_request(state, chat, raw)
 
 
@@ -106,6 +107,9 @@ def build_app(
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        # The grammar library's tokenizer takes ~1.6 s to build for SmolLM2: at start, off the event
+        # loop, rather than in the first constrained request.
+        await prepare_structured_output(state)
         yield
         state.close()
         if shutdown_engine_on_exit:
@@ -125,4 +129,6 @@ def build_app(
     app.include_router(router)
     if limits.api_key:
         app.add_middleware(APIKeyMiddleware, api_key=limits.api_key)
+    # Last added, so outermost: nothing raised inside reaches uvicorn, which would log a traceback.
+    app.add_middleware(InternalErrorMiddleware)
     return app

@@ -24,6 +24,9 @@ T = TypeVar("T")
 # Bodies at least this large are parsed, tokenised and templated on a worker thread: a megabyte of
 # chat takes about a second, which on the event loop would stall every other connection.
 OFFLOAD_BYTES = 64 * 1024
+# Bodies at least this large get a worker of their own: a normal 66 KB chat request must not queue
+# behind megabyte bodies (each ~1 s of templating) that a client may send back to back.
+LARGE_BYTES = 256 * 1024
 
 
 @dataclass
@@ -83,21 +86,26 @@ class ServerState:
         self.special_tokens = _special_tokens(tokenizer)
         self.max_token_chars = _max_token_chars(tokenizer)
         self._token_text: dict[int, str] = {}
-        self._workers: ThreadPoolExecutor | None = None
+        self._workers: dict[bool, ThreadPoolExecutor] = {}
         self.json_child = JsonChild()  # started by the first large body
 
-    async def off_loop(self, fn: Callable[[], T]) -> T:
-        """Runs ``fn`` on one of two worker threads (heavy parsing, templating, rendering)."""
-        if self._workers is None:
-            self._workers = ThreadPoolExecutor(
-                2, thread_name_prefix="cbgen-server", initializer=_lower_priority
+    async def off_loop(self, fn: Callable[[], T], large: bool = False) -> T:
+        """Runs ``fn`` (heavy parsing, templating, rendering) on a worker thread: one of two for
+        ordinary work, or, with ``large`` (bodies of ``LARGE_BYTES`` or more), the one thread that
+        such bodies queue on, so they never delay the others' turn."""
+        pool = self._workers.get(large)
+        if pool is None:
+            pool = self._workers[large] = ThreadPoolExecutor(
+                1 if large else 2,
+                thread_name_prefix="cbgen-server-large" if large else "cbgen-server",
+                initializer=_lower_priority,
             )
-        return await asyncio.get_running_loop().run_in_executor(self._workers, fn)
+        return await asyncio.get_running_loop().run_in_executor(pool, fn)
 
     def close(self) -> None:
         """Stops the worker threads and the JSON child process."""
-        if self._workers is not None:
-            self._workers.shutdown(wait=False, cancel_futures=True)
+        for pool in self._workers.values():
+            pool.shutdown(wait=False, cancel_futures=True)
         self.json_child.close()
 
     def submit(

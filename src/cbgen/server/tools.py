@@ -190,7 +190,7 @@ def chat_message(i: int, m: ChatMessage) -> dict[str, Any] | None:
         if isinstance(args, str):
             # Templates expect a mapping (they JSON-encode it themselves); a non-JSON string stays.
             with contextlib.suppress(ValueError, RecursionError):
-                args = json.loads(args)
+                args = _decoded_arguments(args, f"messages.{i}.tool_calls.{k}.function.arguments")
         calls.append(
             {"id": call.get("id"), "type": "function", "function": {"name": fn["name"], "arguments": args}}
         )
@@ -246,6 +246,22 @@ def needs_special_tokens(tokenizer: Any) -> bool:
 def new_call_id() -> str:
     """An OpenAI-style tool call id."""
     return "call_" + uuid.uuid4().hex[:24]
+
+
+def _decoded_arguments(text: str, param: str) -> Any:
+    """A tool call's ``arguments`` string as JSON.  The body was checked for lone surrogates, but
+    this string is JSON inside JSON: its own ``\\ud800`` escapes decode only here, into text that no
+    tokenizer accepts, so they are refused here too."""
+    value = json.loads(text)
+    if "\\u" in text:
+        try:
+            json.dumps(value, ensure_ascii=False).encode("utf-8")
+        except UnicodeEncodeError:
+            raise bad_request(
+                "tool call arguments contain a lone UTF-16 surrogate escape, which is not valid Unicode",
+                param=param,
+            ) from None
+    return value
 
 
 def _call(body: str) -> dict[str, Any] | None:

@@ -17,7 +17,7 @@ from starlette.requests import Request
 
 from cbgen.limits import request_work
 from cbgen.sampling_params import SamplingParams
-from cbgen.server.errors import APIError, bad_request, sampling_param_of, validation_error
+from cbgen.server.errors import APIError, bad_request, quote, sampling_param_of, validation_error
 from cbgen.server.json_child import loads_here
 from cbgen.server.prompts import chat_prompt, check_prompt, completion_prompts
 from cbgen.server.schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
@@ -106,19 +106,25 @@ def _reject_lone_surrogates(obj: Any) -> None:
     while stack:
         path, value = stack.pop()
         if isinstance(value, str):
-            m = _SURROGATE.search(value)
-            if m is not None:
-                raise bad_request(
-                    f"{path or 'body'}: string contains a lone UTF-16 surrogate (U+{ord(m.group()):04X}), "
-                    "which is not valid Unicode",
-                    param=path or None,
-                )
+            _check_surrogates(path or "body", value, path or None)
         elif isinstance(value, dict):
             for key, item in value.items():
-                stack.append((f"{path}.{key}" if path else str(key), key))
-                stack.append((f"{path}.{key}" if path else str(key), item))
+                # A key is checked before it joins a path: the path goes into the error message.
+                _check_surrogates(f"{path or 'body'}: key {quote(key, 32)}", key, path or None)
+                part = key if len(key) <= 64 else f"{key[:64]}..."
+                stack.append((f"{path}.{part}" if path else part, item))
         elif isinstance(value, list):
             stack.extend((f"{path}.{i}", item) for i, item in enumerate(value))
+
+
+def _check_surrogates(what: str, text: str, param: str | None) -> None:
+    m = _SURROGATE.search(text)
+    if m is not None:
+        raise bad_request(
+            f"{what}: string contains a lone UTF-16 surrogate (U+{ord(m.group()):04X}), which is not "
+            "valid Unicode",
+            param=param,
+        )
 
 
 def parse_body(model: type[SamplingFields], obj: dict[str, Any]) -> Any:
@@ -134,7 +140,7 @@ def check_model(state: ServerState, name: str) -> None:
     if name != state.model_name:
         raise APIError(
             404,
-            f"the model {name!r} does not exist; this server serves {state.model_name!r}",
+            f"the model {quote(name)} does not exist; this server serves {state.model_name!r}",
             param="model",
             code="model_not_found",
         )
@@ -203,8 +209,8 @@ def _logit_bias(req: SamplingFields, lim: ServerLimits) -> dict[int, float] | No
         raise bad_request(f"logit_bias may name at most {lim.max_logit_bias} tokens", param="logit_bias")
     logit_bias = {}
     for key, value in req.logit_bias.items():
-        if not re.fullmatch(r"\d{1,9}", key):
-            raise bad_request(f"logit_bias key {key!r} is not a token id", param="logit_bias")
+        if not re.fullmatch(r"[0-9]{1,9}", key):
+            raise bad_request(f"logit_bias key {quote(key)} is not a token id", param="logit_bias")
         if not -100 <= value <= 100:
             raise bad_request(f"logit_bias value for token {key} must be in [-100, 100]", param="logit_bias")
         logit_bias[int(key)] = float(value)
