@@ -15,15 +15,12 @@ from starlette.responses import JSONResponse, Response
 
 from cbgen.async_engine import RequestStream
 from cbgen.outputs import CompletionOutput, RequestOutput
-from cbgen.server.errors import APIError, bad_request
+from cbgen.server.errors import APIError, bad_request, log_internal_error
 from cbgen.server.logprobs import TopLogprobs, chat_logprobs, completion_logprobs, logprob_entries
 from cbgen.server.metrics import ServerMetrics
 from cbgen.server.state import ServerState
 from cbgen.server.streaming import SSEResponse, merge_streams, wait_disconnect
 from cbgen.server.translate import GenerationPlan
-from cbgen.utils import get_logger
-
-logger = get_logger("cbgen.server")
 
 
 def _dumps(obj: Any) -> str:
@@ -177,7 +174,7 @@ class GenerationJob:
                     if out.finished and out.error:
                         yield f"data: {_dumps(APIError(500, out.error, 'server_error').body())}\n\n"
             except Exception as exc:  # the engine failed underneath: end the stream in-band
-                logger.exception("stream %s failed", self.id)
+                log_internal_error(f"stream {self.id}", exc)
                 yield f"data: {_dumps(APIError(500, str(exc), 'server_error').body())}\n\n"
             if self.include_usage:
                 yield self._chunk([], _usage(self.prompt_tokens, self.completion_tokens))
