@@ -26,7 +26,7 @@ import torch
 from transformers import AttentionInterface
 
 from cbgen.model.kernels.reference import paged_ops, varlen
-from cbgen.model.support import UNSUPPORTED_ATTENTION_KWARGS
+from cbgen.model.kernels.reference import sinks as sinks_ref
 
 ATTN_NAME = "cbgen_paged"
 
@@ -279,19 +279,24 @@ def paged_attention_forward(
         meta = CURRENT_META.get()
         if meta is None:
             raise _no_metadata_error(module)
-    for name, what in UNSUPPORTED_ATTENTION_KWARGS.items():
-        if kwargs.get(name) is not None:
-            raise NotImplementedError(
-                f"{type(module).__name__} passes `{name}` to attention ({what}), which cbgen's paged "
-                "kernels do not implement"
-            )
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     backend = meta.backend
     k_cache, v_cache = meta.kv_caches[module.layer_idx]
 
     q = query[0].transpose(0, 1)  # [T, H, D]
     k, v = key[0].transpose(0, 1), value[0].transpose(0, 1)
+    if k.shape[1:] != k_cache.shape[2:] or v.shape[1:] != v_cache.shape[2:]:
+        raise ValueError(
+            f"{type(module).__name__} (layer {module.layer_idx}) makes keys of {tuple(k.shape[1:])} and "
+            f"values of {tuple(v.shape[1:])} (KV heads, head size) per token, and the KV cache, sized from "
+            f"the config, holds {tuple(k_cache.shape[2:])}: layers with their own KV shapes are not supported"
+        )
     backend.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+    sinks = kwargs.get("s_aux")
+    if sinks is not None:
+        return sinks_ref.paged_sink_attention(meta, q, k_cache, v_cache, scale, sliding_window, sinks)[
+            None
+        ], None
 
     nd = meta.num_decode
     if not meta.prefills:

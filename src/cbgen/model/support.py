@@ -34,11 +34,6 @@ ATTENTION_KINDS = frozenset({"full_attention", "sliding_attention", "chunked_att
 _LAYER_TYPE_FIELDS = ("layer_types", "layers_block_type", "block_types")
 # Nemotron-H style patterns: one character per layer.
 _PATTERN_KINDS = {"*": "attention", "-": "MLP", "E": "mixture of experts"}
-# Attention arguments that change the math and that the paged kernels do not implement.
-UNSUPPORTED_ATTENTION_KWARGS = {
-    "s_aux": "attention sinks (a learned per-head logit in the softmax)",
-    "sinks": "attention sinks (a learned per-head logit in the softmax)",
-}
 
 
 class UnsupportedModelError(ValueError):
