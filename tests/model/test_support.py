@@ -140,3 +140,31 @@ def test_chunked_attention_caps_the_context_at_one_chunk():
     assert LLM(model, block_size=8).engine.max_model_len == 64
     with pytest.raises(UnsupportedModelError, match="attention chunk"):
         LLM(model, block_size=8, max_model_len=128)
+
+
+def _tiny_gpt_oss() -> torch.nn.Module:
+    config = transformers.GptOssConfig(
+        vocab_size=128, hidden_size=32, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, num_local_experts=2, num_experts_per_tok=1, sliding_window=8,
+        layer_types=["sliding_attention", "full_attention"], max_position_embeddings=256,
+        pad_token_id=0, bos_token_id=1, eos_token_id=2,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.GptOssForCausalLM(config).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0.0, 0.3)
+    model.generation_config.eos_token_id, model.generation_config.pad_token_id = 2, 0
+    return model
+
+
+def test_attention_sinks_run_exactly_and_parity_mode_refuses_them():
+    model = _tiny_gpt_oss()
+    prompts = make_prompts(3, lengths=(5, 30), vocab=128)
+    llm = LLM(model, block_size=8, max_num_batched_tokens=16)
+    outs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    compare(
+        model, prompts, [o.outputs[0].token_ids for o in outs], [hf_greedy(model, p, 12) for p in prompts]
+    )
+    with pytest.raises(UnsupportedModelError, match="attention sinks"):
+        LLM(model, block_size=8, batch_invariant=True)

@@ -51,6 +51,10 @@ def parity_attention_forward(
     docstring); ``attention_mask`` is unused (visibility comes from the row positions)."""
     if dropout:
         raise ValueError("parity mode computes attention without dropout (set attention_dropout=0)")
+    if kwargs.get("s_aux") is not None:
+        raise NotImplementedError(
+            f"{type(module).__name__} uses attention sinks, which cbgen.parity does not implement"
+        )
     batch, _, length, _ = query.shape
     if key.shape[2] != length:
         raise NotImplementedError(

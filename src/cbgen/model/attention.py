@@ -294,6 +294,11 @@ def paged_attention_forward(
     backend.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
     sinks = kwargs.get("s_aux")
     if sinks is not None:
+        if backend.name == "parity":
+            raise NotImplementedError(
+                f"{type(module).__name__} uses attention sinks, which parity mode (batch_invariant=True) "
+                "does not implement"
+            )
         return sinks_ref.paged_sink_attention(meta, q, k_cache, v_cache, scale, sliding_window, sinks)[
             None
         ], None
