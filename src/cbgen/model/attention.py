@@ -279,6 +279,9 @@ def paged_attention_forward(
         meta = CURRENT_META.get()
         if meta is None:
             raise _no_metadata_error(module)
+    calls = meta.derived.get("attention_calls")
+    if calls is not None:  # the start-up probe counts calls per layer (cbgen.model.support)
+        calls.append(module.layer_idx)
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     backend = meta.backend
     k_cache, v_cache = meta.kv_caches[module.layer_idx]

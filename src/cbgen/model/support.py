@@ -115,8 +115,9 @@ def check_model(model: torch.nn.Module) -> None:
     bidirectional = [m for m in attention if getattr(m, "is_causal", True) is False]
     if bidirectional:
         raise UnsupportedModelError(
-            f"{name}'s attention is bidirectional ({type(bidirectional[0]).__name__}.is_causal is False; "
-            "for BERT-style models, `is_decoder=False` in the config): generation needs causal attention"
+            f"{name}'s attention module {type(bidirectional[0]).__name__} is not causal (is_causal=False): "
+            "bidirectional attention (for BERT-style models, `is_decoder=False` in the config) or "
+            "cross-attention to an encoder, neither of which a decoder-only paged cache serves"
         )
 
 
@@ -253,7 +254,10 @@ def _paged_logits(
             for step in steps:
                 batch = builder.build(step, engine.kv_cache.layers)
                 batch.logits_indices = torch.arange(batch.num_tokens, device=engine.device)
+                calls: list[int] = []
+                batch.meta.derived["attention_calls"] = calls
                 got.append(engine.runner.execute(batch).float().cpu())
+                _check_one_call_per_layer(engine.model, calls)
                 for r, n in step:
                     r.num_computed_tokens += n
                 if step is steps[0]:
@@ -272,6 +276,19 @@ def _paged_logits(
     s1, s2 = got
     # Packed order: decode rows first, then prefill chunks in order.
     return (torch.cat([s1[:_A_LEN], s2[:1]]), torch.cat([s1[_A_LEN:], s2[1:]])), taps.outputs
+
+
+def _check_one_call_per_layer(model: torch.nn.Module, calls: list[int]) -> None:
+    """Each layer's cache belongs to one attention call per forward.  A model that runs a layer's
+    attention more than once per forward (looped or recurrent-depth models) would overwrite the
+    K/V of one pass with the next's."""
+    repeated = sorted({i for i in calls if calls.count(i) > 1})
+    if repeated:
+        raise UnsupportedModelError(
+            f"{type(model).__name__} runs the attention of layer {repeated[0]} {calls.count(repeated[0])} "
+            "times per forward (a looped or recurrent-depth model): cbgen's paged cache holds one set "
+            "of keys and values per layer and token"
+        )
 
 
 def _plain_logits(model, tokens, device, layers) -> tuple[tuple[torch.Tensor, torch.Tensor], list]:
