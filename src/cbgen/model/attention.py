@@ -279,6 +279,14 @@ def paged_attention_forward(
         meta = CURRENT_META.get()
         if meta is None:
             raise _no_metadata_error(module)
+    if attention_mask is not None:
+        # cbgen registers no mask function, so transformers builds no mask: a mask here is one the
+        # module computed itself (a content-dependent bias, as Doge's dynamic mask), which the
+        # paged kernels would silently drop.
+        raise NotImplementedError(
+            f"{type(module).__name__} passes its own attention mask or bias to attention, which cbgen's "
+            "paged kernels do not apply"
+        )
     calls = meta.derived.get("attention_calls")
     if calls is not None:  # the start-up probe counts calls per layer (cbgen.model.support)
         calls.append(module.layer_idx)

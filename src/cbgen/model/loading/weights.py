@@ -43,6 +43,7 @@ class WeightWatcher:
         self.model = model
         self._forced = 0
         self._params = _local_tensors(model)
+        self._versioned = _versioned(self._params)
         self._adapter_modules = _adapter_layers(model)
         self._last = self.fingerprint()
         self.version = 0
@@ -51,8 +52,9 @@ class WeightWatcher:
         """Sum of version counters, storage pointers and adapter flags."""
         versions = 0
         pointers = 0
-        for p in self._params:
+        for p in self._versioned:
             versions += p._version
+        for p in self._params:
             pointers ^= p.data_ptr()
         adapters = tuple(map(_adapter_state, self._adapter_modules))
         return versions, pointers, len(self._params), adapters, _optimizer_steps, self._forced
@@ -64,6 +66,7 @@ class WeightWatcher:
     def refresh_modules(self) -> None:
         """Re-reads the parameter list (after adapters are added or removed)."""
         self._params = _local_tensors(self.model)
+        self._versioned = _versioned(self._params)
         self._adapter_modules = _adapter_layers(self.model)
 
     def changed(self) -> bool:
@@ -112,6 +115,14 @@ def _adapter_state(layer: torch.nn.Module) -> tuple:
         tuple(scaling.items()) if isinstance(scaling, dict) else None,
         d.get("cast_input_dtype_enabled"),
     )
+
+
+def _versioned(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The tensors that have a version counter.  Inference tensors have none: a model that caches
+    a buffer in its forward (CTRL casts its position table on every call) makes one when that
+    forward runs under inference mode.  They cannot be changed in place outside inference mode, and
+    replacing one changes the storage pointer, which the fingerprint also covers."""
+    return [t for t in tensors if not t.is_inference()]
 
 
 def _local_tensors(model: torch.nn.Module) -> list[torch.Tensor]:
