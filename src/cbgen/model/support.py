@@ -308,6 +308,10 @@ def _check_one_call_per_layer(model: torch.nn.Module, calls: list[int]) -> None:
 def _plain_logits(model, tokens, device, layers) -> tuple[tuple[torch.Tensor, torch.Tensor], list]:
     """The model's own forward of A and of B, each alone."""
     taps = _LayerTaps(layers or [])
+    # Eval mode for the check, as every engine forward runs (no dropout, no RNG draw that would
+    # disturb a trainer's random stream), and the user's flags restored after it.
+    training = [(m, m.training) for m in model.modules()]
+    model.eval()
     try:
         # no_grad, not inference mode: a model that caches tensors in its forward must not end up
         # holding inference tensors because of a check it did not ask for.
@@ -321,6 +325,9 @@ def _plain_logits(model, tokens, device, layers) -> tuple[tuple[torch.Tensor, to
             f"{type(model).__name__}'s own forward on input_ids alone fails ({_one_line(exc)}); cbgen "
             "feeds the model token ids and positions only"
         ) from exc
+    finally:
+        for module, flag in training:
+            module.training = flag
     return out, taps.outputs
 
 
