@@ -146,6 +146,18 @@ def _native_summary(terminalreporter) -> None:
         terminalreporter.write_line(f"{name:12} {ran:8} {tally}{why}")
 
 
+@pytest.fixture
+def one_torch_thread():
+    """torch on one thread for the test: the suite shares a 2-core machine, where one thread is as
+    fast, and fp32 reductions then run in one fixed order."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(autouse=True)
 def _near_tie_budget():
     """Each test gets its own near-tie count (``tests/oracle.py``: at most one per test in fp32)."""

@@ -28,17 +28,10 @@ from bf16_reference import check_against_fp32
 from cbgen import LLM, SamplingParams
 from tiny_models import ARCHS, make_model, make_prompts
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
 NUM_PROMPTS, NEW_TOKENS = 10, 32
 GREEDY = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True, logprobs=3)
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    # The suite shares a small machine; one thread also keeps the reductions in a fixed order.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def _model(arch: str) -> torch.nn.Module:

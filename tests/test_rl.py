@@ -22,17 +22,10 @@ from cbgen import LLM, SamplingParams
 from oracle import compare, hf_greedy
 from tiny_models import make_model, make_prompts
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "grpo_tiny.py"
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    # The suite shares a small machine; one thread also makes fp32 reductions run in a fixed order.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def _tokens(outs) -> list[list[int]]:

@@ -17,17 +17,11 @@ from extras import require_extra
 from oracle import compare, hf_greedy
 from tiny_models import make_model, make_prompts
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
 require_extra("peft")
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def _lora_config(seed: int):

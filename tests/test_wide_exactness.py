@@ -31,7 +31,7 @@ from cbgen.model.kernels.cpu import decoder as cpu_decoder
 from oracle import compare, hf_greedy
 from tiny_models import WIDE_ARCHS, WIDE_COMMON, make_wide_model
 
-pytestmark = pytest.mark.native("c")
+pytestmark = [pytest.mark.native("c"), pytest.mark.usefixtures("one_torch_thread")]
 
 # The architectures the plan runs through the fused forward; the others run the module tree.
 FUSED = ("llama", "mistral", "qwen2", "qwen3")
@@ -111,15 +111,6 @@ def ledger(monkeypatch) -> Ledger:
     monkeypatch.setattr(cpu_decoder, "decoder_step", spying_c_step)
     monkeypatch.setattr(FusedDecoder, "forward", spying_forward)
     return seen
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    # Two cores shared with other jobs: one thread is as fast and keeps the sums in one order.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def _forced(gemm: str) -> dict[str, str]:
