@@ -149,10 +149,9 @@ def test_megabyte_bodies_of_tiny_messages_do_not_slow_small_requests(server):
         f"({ratio:.2f}x) beside {len(answered)} ~0.9 MB bodies of 26,000 messages (each refused in "
         f"{statistics.median(answered):.2f} s); a 66 KB body's request {padded_ratio:.1f}x"
     )
-    # Measured on the idle 2-core Zen 4 (2026-12-04): 13-23x for both the small and the 66 KB
-    # request, with ~30 bodies refused in 0.7 s each during the window.  The remaining cost is the
-    # GIL: the worker that templates a megabyte body holds it for most of each 5 ms switch interval,
-    # and every small request needs it many times.  The bound (1.5x) is not met; what this
-    # guards is the quadratic templating that made the 66 KB request wait 19.6 s (~490x).
-    assert ratio < 40.0, f"{ratio:.2f}x"
-    assert padded_ratio < 40.0, f"66 KB request {padded_ratio:.2f}x"
+    # Measured on the idle 2-core Zen 4 (2026-12-04): 4.0-4.5x for the small request and 4.2-5.3x
+    # for the 66 KB one (13-23x before large jobs shortened the GIL switch interval, ~490x before
+    # templating was linear).  The rest is the GIL the templating worker holds; the bound
+    # (1.5x) is not met.  15x: headroom for a loaded machine, still far below the old behaviour.
+    assert ratio < 15.0, f"{ratio:.2f}x"
+    assert padded_ratio < 15.0, f"66 KB request {padded_ratio:.2f}x"
