@@ -148,3 +148,21 @@ class HealthProbe:
     def __exit__(self, *exc: object) -> None:
         self._stop.set()
         self._thread.join(60)
+
+
+def flood_chat(url: str, raw: bytes, refusal: str, stop: threading.Event, answered: list[float]) -> None:
+    """Posts ``raw`` to the chat endpoint back to back until ``stop``, each answer a 400 whose
+    message holds ``refusal``, and records each one's seconds in ``answered``; run it on a thread.
+
+    A real flooder's CPU is on its own machine; on a 2-core test box its sending would compete with
+    the server, which is not what the latency tests measure, so the thread runs at nice 19.  A
+    wrong answer fails the assertion and ends the thread, which the tests check with ``is_alive``."""
+    os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+    with httpx.Client(timeout=120) as http:
+        while not stop.is_set():
+            start = time.perf_counter()
+            r = http.post(
+                url + "/v1/chat/completions", content=raw, headers={"content-type": "application/json"}
+            )
+            assert r.status_code == 400 and refusal in r.json()["error"]["message"], r.text
+            answered.append(time.perf_counter() - start)

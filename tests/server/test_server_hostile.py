@@ -24,7 +24,7 @@ import time
 import httpx
 import openai
 import pytest
-from serverproc import ServerProcess, metrics, wait_idle
+from serverproc import ServerProcess, flood_chat, metrics, wait_idle
 
 pytestmark = pytest.mark.slow
 
@@ -343,20 +343,9 @@ def _megabyte_chat_bodies(hostile) -> str:
     stop = threading.Event()
     sent: list[float] = []
 
-    def flood() -> None:
-        # A real flooder's CPU is on its own machine; on a 2-core test box its sending would compete
-        # with the engine, which is not what this measures.  The server's share is all that counts.
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
-        with httpx.Client(timeout=120) as http:
-            while not stop.is_set():
-                start = time.perf_counter()
-                r = http.post(
-                    url + "/v1/chat/completions", content=raw, headers={"content-type": "application/json"}
-                )
-                assert r.status_code == 400 and "over the limit of" in r.json()["error"]["message"]
-                sent.append(time.perf_counter() - start)
-
-    flooder = threading.Thread(target=flood, daemon=True)
+    flooder = threading.Thread(
+        target=flood_chat, args=(url, raw, "over the limit of", stop, sent), daemon=True
+    )
     flooder.start()
     try:
         deadline = time.monotonic() + 60

@@ -10,15 +10,13 @@ from __future__ import annotations
 
 import gc
 import json
-import os
 import statistics
 import threading
 import time
 
-import httpx
 import openai
 import pytest
-from serverproc import ServerProcess, wait_idle
+from serverproc import ServerProcess, flood_chat, wait_idle
 from test_template_forging import prompt_state
 
 from cbgen.server.prompts import chat_prompt
@@ -103,7 +101,7 @@ def test_megabyte_bodies_of_tiny_messages_do_not_slow_small_requests(server):
     url = server.url
     wait_idle(url, 60)
     client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120)
-    # A body over 64 KiB is planned on the two worker threads, behind the megabyte ones.
+    # A body over 64 KiB is planned on the worker threads; megabyte bodies queue on one of their own.
     padded = {"user": "x" * 66_000}
     _chat_seconds(client)
     idle = [_chat_seconds(client) for _ in range(9)]
@@ -112,19 +110,10 @@ def test_megabyte_bodies_of_tiny_messages_do_not_slow_small_requests(server):
     stop = threading.Event()
     answered: list[float] = []
 
-    def flood() -> None:
-        # A flooder's CPU is its own machine's; here it must not compete with the server.
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
-        with httpx.Client(timeout=120) as http:
-            while not stop.is_set():
-                start = time.perf_counter()
-                r = http.post(
-                    url + "/v1/chat/completions", content=raw, headers={"content-type": "application/json"}
-                )
-                assert r.status_code == 400 and "limit of" in r.json()["error"]["message"], r.text
-                answered.append(time.perf_counter() - start)
-
-    flooders = [threading.Thread(target=flood, daemon=True) for _ in range(2)]
+    flooders = [
+        threading.Thread(target=flood_chat, args=(url, raw, "limit of", stop, answered), daemon=True)
+        for _ in range(2)
+    ]
     for t in flooders:
         t.start()
     try:
