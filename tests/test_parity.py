@@ -17,10 +17,13 @@ import torch
 
 import cbgen
 from cbgen import LLM, SamplingParams
+from cbgen.batch_invariant import direct_forward
 from cbgen.batch_invariant.attention_core import BLOCK, blocked_attention
 from cbgen.batch_invariant.dispatch import ParityOps
 from cbgen.batch_invariant.lanes import lanewise
+from cbgen.batch_invariant.native import parity_form
 from cbgen.batch_invariant.paged import chunk_groups
+from cbgen.model import plan as plan_module
 from extras import require_extra
 from tiny_models import ARCHS, make_model, make_prompts, make_wide_model
 
@@ -345,9 +348,94 @@ def test_context_leaves_model_and_torch_untouched() -> None:
 def test_parity_plan_is_the_engines_plan() -> None:
     llm = LLM(make_model("llama"), num_blocks=64, batch_invariant=True)
     plan = llm.engine.plan
-    assert plan.parity and plan.attention == "parity" and plan.forward == "module"
+    # Llama on the C parity kernels: the direct forward, checked against the module forward at start.
+    direct = parity_form(torch.device("cpu"), torch.float32) == "c"
+    assert plan.parity and plan.attention == "parity" and plan.forward == ("direct" if direct else "module")
+    assert llm.engine.runner.direct_checked is (True if direct else None)
     assert plan.greedy == "torch" and plan.row_prefill_max == 0
     assert "batch-invariant" in plan.report()
+    # Models outside the fused path's allow list run the modules under the dispatch mode.
+    other = LLM(make_model("phi3"), num_blocks=64, batch_invariant=True).engine.plan
+    assert other.forward == "module" and "not on the fused path's allow list" in other.forward_why
+
+
+def _greedy_raw(llm: LLM, prompts: list[list[int]]) -> list[tuple[list[int], list[float]]]:
+    outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=12), use_tqdm=False)
+    return [(list(o.outputs[0].token_ids), list(o.outputs[0].raw_logprobs)) for o in outs]
+
+
+DIRECT_CASES = [
+    ("llama-bias", "llama", {"attention_bias": True, "mlp_bias": True}),
+    ("qwen2", "qwen2", {}),
+    ("qwen3-qk-norm", "qwen3", {}),
+    ("mistral-window", "mistral", {"sliding_window": 24}),
+]
+
+
+@pytest.mark.native("avx2")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize(
+    ("arch", "overrides"), [c[1:] for c in DIRECT_CASES], ids=[c[0] for c in DIRECT_CASES]
+)
+def test_direct_forward_equals_the_module_forward(arch, overrides, dtype, monkeypatch) -> None:
+    """The parity plan's direct forward against the module forward under the dispatch mode, over
+    prompts longer than the window and chunked by a small budget: the same tokens, the same bits."""
+    model = make_model(arch, dtype=dtype, **overrides)
+    prompts = make_prompts(12, lengths=(5, 70), vocab=model.config.vocab_size, seed=3)
+
+    def run() -> tuple[str, list]:
+        llm = LLM(model, block_size=8, num_blocks=200, max_num_batched_tokens=48, batch_invariant=True)
+        return llm.engine.plan.forward, _greedy_raw(llm, prompts)
+
+    forward, direct = run()
+    assert forward == "direct"
+    monkeypatch.setattr(plan_module, "_parity_forward_choice", lambda *a: ("module", "forced by the test"))
+    forward, module = run()
+    assert forward == "module"
+    assert direct == module
+
+
+@pytest.mark.native("avx2")
+def test_direct_forward_falls_back_when_its_check_fails(monkeypatch, caplog) -> None:
+    """A direct forward that differs from the module forward by one ulp anywhere is refused at
+    start: the engine says so and runs the module forward, whose results equal the trainer's."""
+    model = make_wide_model("llama")
+    real = direct_forward._rmsnorm
+
+    def off_by_one_ulp(x, norm):
+        out = real(x, norm)
+        return torch.nextafter(out, torch.full_like(out, float("inf")))
+
+    monkeypatch.setattr(direct_forward, "_rmsnorm", off_by_one_ulp)
+    with caplog.at_level("WARNING", logger="cbgen"):
+        llm = LLM(model, num_blocks=64, batch_invariant=True)
+    assert llm.engine.runner.direct_checked is False and llm.engine.plan.forward == "module"
+    assert "differs from the module forward" in caplog.text
+    samples = run_workload(llm, make_prompts(6, lengths=(4, 30), vocab=model.config.vocab_size), 5)
+    bad, total = mismatches(model, samples)
+    assert total > 0 and bad == 0
+    # A re-resolved plan (a hook registered, then removed) does not return to the refused path.
+    handle = model.model.layers[0].register_forward_hook(lambda *a: None)
+    llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2), use_tqdm=False)
+    handle.remove()
+    llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2), use_tqdm=False)
+    assert llm.engine.plan.forward == "module"
+
+
+@pytest.mark.native("avx2")
+def test_direct_forward_replans_when_an_adapter_or_hook_arrives() -> None:
+    """The direct forward runs only the math of the modules it qualified: a forward hook (which
+    could change a layer's output) sends the next step to the module forward, and its removal back."""
+    model = make_wide_model("llama")
+    llm = LLM(model, num_blocks=64, batch_invariant=True)
+    assert llm.engine.plan.forward == "direct"
+    seen = []
+    handle = model.model.layers[1].register_forward_hook(lambda mod, args, out: seen.append(1))
+    llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2), use_tqdm=False)
+    assert seen and llm.engine.plan.forward == "module"
+    handle.remove()
+    llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2), use_tqdm=False)
+    assert llm.engine.plan.forward == "direct"
 
 
 # ------------------------------------------------------------------------------ building blocks

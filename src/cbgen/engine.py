@@ -26,6 +26,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from cbgen.batch_invariant import direct_forward
 from cbgen.config import EngineConfig
 from cbgen.core import update as step_update
 from cbgen.core.block_manager import BlockManager
@@ -170,6 +171,8 @@ class Engine:
         self.runner.warmup()
         if config.verify_model:
             support.probe(self)
+        if plan.forward == "direct":
+            self.runner.direct_check_done(direct_forward.self_check(self))
         # Short prefill chunks as decode-kernel rows: measured on the C kernels only (see input_batch).
         self.input_builder = InputBuilder(
             config.block_size, self.device, row_prefill_max=plan.row_prefill_max, num_blocks=num_blocks

@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from cbgen import LLM, SamplingParams
+from cbgen.batch_invariant.native import parity_form
 from cbgen.cli import main as cli_main
 from cbgen.config import EngineConfig
 from cbgen.model.backends import TorchBackend
@@ -318,20 +319,25 @@ def test_cbgen_info_prints_the_plan(tmp_path, capsys, dtype) -> None:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_parity_plan(dtype) -> None:
-    """batch_invariant=True: one plan, whatever the model qualifies for: the module forward under the
-    parity attention, the torch sampler, no short prefill rows, eager or static decode steps."""
+    """batch_invariant=True: the parity attention, the torch sampler, no short prefill rows, eager or
+    static decode steps; the direct forward for a model the fused path qualifies (on the C parity
+    kernels, eager steps), with the structure watched, else the module forward."""
     model = make_model("llama", dtype=dtype)
     plan = _plan(model, batch_invariant=True)
-    assert plan.parity and (plan.attention, plan.forward, plan.greedy) == ("parity", "module", "torch")
+    c_kernels = parity_form(torch.device("cpu"), dtype) == "c"
+    forward = "direct" if c_kernels else "module"
+    assert plan.parity and (plan.attention, plan.forward, plan.greedy) == ("parity", forward, "torch")
     assert (plan.decode_mode, plan.row_prefill_max, plan.gemms, plan.watch_structure) == (
         "eager",
         0,
         None,
-        False,
+        c_kernels,
     )
     assert plan.greedy_kernel() is None
     assert plan.describe().startswith(f"LlamaForCausalLM on cpu, {str(dtype).removeprefix('torch.')}: parity")
-    assert _plan(model, batch_invariant=True, decode_mode="static").decode_mode == "static"
+    static = _plan(model, batch_invariant=True, decode_mode="static")
+    assert (static.decode_mode, static.forward) == ("static", "module")
+    assert _plan(make_model("phi3", dtype=dtype), batch_invariant=True).forward == "module"
     assert not _plan(model).parity
     with pytest.raises(ValueError, match="graphs"):
         _plan(model, batch_invariant=True, decode_mode="graphs")
@@ -339,11 +345,12 @@ def test_the_parity_plan(dtype) -> None:
         _plan(model, batch_invariant=True, compile=True)
 
 
+@pytest.mark.native("avx2")
 def test_cbgen_info_prints_the_parity_plan(tmp_path, capsys) -> None:
     folder = tmp_path / "tiny"
     make_model("qwen3").save_pretrained(folder)
     cli_main(["info", str(folder), "--batch-invariant"])
     rows = {line.split()[0]: line.split()[1] for line in capsys.readouterr().out.splitlines()[1:]}
     assert (
-        rows["parity"] == "batch-invariant" and rows["attention"] == "parity" and rows["forward"] == "module"
+        rows["parity"] == "batch-invariant" and rows["attention"] == "parity" and rows["forward"] == "direct"
     )

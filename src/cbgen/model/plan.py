@@ -15,7 +15,9 @@ deciders that know each part:
   rows read values back from the device or never do.
 
 With ``batch_invariant=True`` the plan is the parity plan (:func:`_parity_plan`): the one set of
-paths whose results the trainer side (``cbgen.parity``) reproduces bit for bit.
+paths whose results the trainer side (``cbgen.parity``) reproduces bit for bit.  Its forward is
+``direct`` (:mod:`cbgen.batch_invariant.direct_forward`, the module forward's kernels called without
+the module tree, for the models the fused path qualifies, on the C parity kernels) or ``module``.
 
 The engine logs the plan in one line (logger ``cbgen``), keeps it as ``engine.plan`` and builds the
 runner, its attention backend and the sampler from it; ``cbgen info MODEL`` prints it.  The runner,
@@ -34,7 +36,8 @@ wrong.  The fused forward never checks this itself any more; instead the plan is
   re-resolves the plan when the structure changed (an optimizer step changes values only and keeps
   the plan).
 * Before every step, a guard, while the choice of forward depends on the structure (fused enabled,
-  the C backend, eager decode steps: :attr:`ExecutionPlan.watch_structure`).  It stays because
+  the C backend, eager decode steps, or the parity plan's direct forward:
+  :attr:`ExecutionPlan.watch_structure`).  It stays because
   some changes reach no weight fingerprint: a forward hook registered or removed, or a module
   swapped for a wrapper holding the same parameters, change neither versions, storage nor the
   parameter set, and a fused step over them would silently compute the wrong thing.  The guard
@@ -258,6 +261,7 @@ def _parity_plan(
             "parity mode runs decode steps eagerly unless 'static' is asked",
         )
     sampled_rows, sampled_rows_why = _sampled_rows_choice(device)
+    forward, forward_why = _parity_forward_choice(model, device, dtype, decode_mode)
     return ExecutionPlan(
         model=type(model).__name__,
         device=device,
@@ -266,8 +270,8 @@ def _parity_plan(
         attention_why="parity mode, the trainer's: " + parity_kernels.describe(device, dtype),
         decode_mode=decode_mode,
         decode_mode_why=decode_mode_why,
-        forward="module",
-        forward_why="parity mode: the trainer's module forward, under the parity dispatch mode",
+        forward=forward,
+        forward_why=forward_why,
         gemms=None,
         c_step=frozenset(),
         c_step_why="not with the module forward",
@@ -276,10 +280,30 @@ def _parity_plan(
         sampled_rows=sampled_rows,
         sampled_rows_why=sampled_rows_why,
         row_prefill_max=0,
-        watch_structure=False,
+        # The direct forward runs only the math of the modules it was qualified on.
+        watch_structure=decode_mode == "eager" and parity_kernels.parity_form(device, dtype) == "c",
         config=dataclasses.replace(config),
         head_dim=head_dim,
         parity=True,
+    )
+
+
+def _parity_forward_choice(
+    model: nn.Module, device: torch.device, dtype: torch.dtype, decode_mode: str
+) -> tuple[str, str]:
+    """The parity plan's forward: the direct one (:mod:`cbgen.batch_invariant.direct_forward`)
+    where the C parity kernels run and the fused path qualifies the model, else the modules under
+    the parity dispatch mode."""
+    module_why = "parity mode: the trainer's module forward, under the parity dispatch mode"
+    if decode_mode != "eager":
+        return "module", module_why + f" (decode mode {decode_mode!r})"
+    if parity_kernels.parity_form(device, dtype) != "c":
+        return "module", module_why
+    reason = fused_forward.unsupported_reason(model)
+    if reason is not None:
+        return "module", f"{module_why} (direct forward: {reason})"
+    return "direct", (
+        "parity mode: the module forward's kernels called directly, checked bit for bit against it at start"
     )
 
 

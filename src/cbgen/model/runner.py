@@ -8,12 +8,14 @@ mode; both are restored in ``finally`` blocks, so the module the trainer sees ne
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import logging
 from collections.abc import Callable, Iterator
 
 import torch
 
+from cbgen.batch_invariant.direct_forward import ParityDirectForward
 from cbgen.batch_invariant.dispatch import ParityOps
 from cbgen.batch_invariant.packs import WeightPacks
 from cbgen.model import attention
@@ -26,6 +28,8 @@ from cbgen.model.kv_cache import KVCache
 from cbgen.model.plan import ExecutionPlan, resolve_again
 
 log = logging.getLogger("cbgen")
+
+_MODULE_WHY = "parity mode: the trainer's module forward, under the parity dispatch mode"
 
 
 def model_forward(
@@ -101,6 +105,9 @@ class ModelRunner:
                 use_cuda_graphs=plan.decode_mode == "graphs",
             )
         self._watch = StructureWatch(model) if plan.watch_structure else None
+        # The parity plan's direct forward runs only once the engine's start-up check passed
+        # (cbgen.batch_invariant.direct_forward.self_check): None until then, then its verdict.
+        self.direct_checked: bool | None = None
         self._follow(plan)
         if self.fused is not None:
             # Engine start, not the first step, pays for packing (~0.3 s for SmolLM2 in bf16).
@@ -108,12 +115,32 @@ class ModelRunner:
 
     def _follow(self, plan: ExecutionPlan) -> None:
         """Runs what ``plan`` says from the next forward on."""
+        if plan.forward == "direct" and self.direct_checked is not True and hasattr(self, "plan"):
+            # Re-resolved to the direct forward without a passed start-up check (failed, or the
+            # plan at start was the module forward): the check needs the idle cache of engine start.
+            why = "failed" if self.direct_checked is False else "not run at start"
+            plan = dataclasses.replace(
+                plan, forward="module", forward_why=f"{_MODULE_WHY} (the direct forward's check {why})"
+            )
         self.plan = plan
         self.fused: FusedDecoder | None = None
         # Parity mode's packed weights, made on first use and dropped on a weight change.
         self.parity_packs = WeightPacks(self.model) if plan.parity else None
+        self.direct: ParityDirectForward | None = None
         if plan.forward == "fused":
             self.fused = FusedDecoder(self.model, self.attn_backend, plan.gemms, plan.c_step)
+        elif plan.forward == "direct":
+            self.direct = ParityDirectForward(self.model, self.parity_packs)
+
+    def direct_check_done(self, passed: bool) -> None:
+        """Records the start-up check of the parity plan's direct forward; a failed one sends this
+        runner to the module forward for good (re-resolved plans included)."""
+        self.direct_checked = passed
+        if not passed:
+            log.warning(
+                "cbgen: parity mode's direct forward differs from the module forward; running the latter"
+            )
+            self._follow(self.plan)
 
     def _replan(self, why: str) -> None:
         """Resolves the plan again for the model as it is now, and follows it."""
@@ -210,6 +237,12 @@ class ModelRunner:
             # attention setting or on training mode (it computes the eval-mode math itself), and
             # that mode switch walks every module of the model (~1 ms a step for 30 layers).
             return self.fused.forward(batch.input_ids, batch.positions, batch.logits_indices, meta)
+        if self.direct is not None:
+            # The parity plan's direct forward (cbgen.batch_invariant.direct_forward): like the
+            # fused one, it calls no module whose result depends on the attention setting or on
+            # training mode, and it runs the parity kernels itself.
+            with attention.step_metadata(meta):
+                return self.direct.forward(batch.input_ids, batch.positions, batch.logits_indices, meta)
         with self._paged_mode(), self._parity_ops():
             if self.static is not None and self.static.can_run(batch):
                 return self.static.run(batch)
@@ -225,6 +258,8 @@ class ModelRunner:
             self.fused.weights_changed()
         if self.parity_packs is not None:
             self.parity_packs.clear()
+        if self.direct is not None:
+            self.direct.weights_changed()
 
     def release(self) -> None:
         """Drops graphs, static buffers and packed weights (the KV cache is released by its owner)."""
@@ -234,6 +269,8 @@ class ModelRunner:
             self.fused.weights_changed()
         if self.parity_packs is not None:
             self.parity_packs.clear()
+        if self.direct is not None:
+            self.direct.weights_changed()
 
     def resume(self) -> None:
         """Re-creates what :meth:`release` dropped."""

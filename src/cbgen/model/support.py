@@ -202,16 +202,12 @@ def probe(engine) -> None:
     into chunks, continued by a decode row) and compares every position's logits with the model's
     plain forward of each sequence alone; raises :class:`UnsupportedModelError` naming the first
     decoder layer whose output differs (see the module docstring)."""
-    from cbgen.model.input_batch import InputBuilder
-
-    model, bs = engine.model, engine.kv_cache.block_size
-    need = -(-(_A_LEN + 1) // bs) + -(-_B_LEN // bs)
-    if engine.kv_cache.num_blocks < need or engine.max_model_len < _B_LEN:
+    setup = _probe_setup(engine)
+    if setup is None:
         return
+    builder, need = setup
+    model = engine.model
     tokens = _probe_tokens(engine.vocab_size)
-    # Row prefill (short chunks as decode rows) is part of what runs, so the probe builds like the engine.
-    builder = InputBuilder(bs, engine.device, row_prefill_max=engine.plan.row_prefill_max, num_blocks=need)
-    engine.kv_cache.allocate()
     tol = _tolerance(engine.dtype)
     paged, _ = _paged_logits(engine, builder, tokens, need, layers=None)
     plain, _ = _plain_logits(model, tokens, engine.device, layers=None)
@@ -243,6 +239,31 @@ def probe(engine) -> None:
         "transformers' attention interface (a convolution, a recurrent state, positions computed from "
         "the row) or passes attention an argument the paged kernels do not implement"
     )
+
+
+def _probe_setup(engine):
+    """(input builder, blocks needed) for the probe's steps, with the cache allocated; None when
+    the cache or the length limit is too small for them."""
+    from cbgen.model.input_batch import InputBuilder
+
+    bs = engine.kv_cache.block_size
+    need = -(-(_A_LEN + 1) // bs) + -(-_B_LEN // bs)
+    if engine.kv_cache.num_blocks < need or engine.max_model_len < _B_LEN:
+        return None
+    # Row prefill (short chunks as decode rows) is part of what runs, so the probe builds like the engine.
+    builder = InputBuilder(bs, engine.device, row_prefill_max=engine.plan.row_prefill_max, num_blocks=need)
+    engine.kv_cache.allocate()
+    return builder, need
+
+
+def paged_probe_logits(engine) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The logits of the probe's two sequences at every position as the engine's forward computes
+    them in the probe's two steps (see :func:`probe`), or None when the cache is too small for them."""
+    setup = _probe_setup(engine)
+    if setup is None:
+        return None
+    builder, need = setup
+    return _paged_logits(engine, builder, _probe_tokens(engine.vocab_size), need, layers=None)[0]
 
 
 def _paged_logits(

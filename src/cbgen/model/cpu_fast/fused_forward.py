@@ -50,7 +50,7 @@ _C_PROJ_FIELDS = (("W_QKV", "B_QKV"), ("W_O", "B_O"), ("W_GATE_UP", "B_GATE_UP")
 
 
 @dataclass(frozen=True)
-class _Layer:
+class LayerModules:
     """One decoder layer's modules and constants as the fused forward uses them.  Parameters are
     held as objects (their values are read at every step); norms as (weight, eps)."""
 
@@ -78,7 +78,7 @@ def _norm(module: nn.Module) -> tuple[torch.Tensor, float]:
 
 
 @dataclass(frozen=True)
-class _Modules:
+class ModelModules:
     """What a step reads from the model, looked up once instead of through ~25 ``nn.Module``
     attribute lookups per layer per step (the runner makes a new decoder when the structure
     changes, see :mod:`cbgen.model.plan`)."""
@@ -87,11 +87,11 @@ class _Modules:
     embed: nn.Module
     rotary: nn.Module
     lm_head: nn.Linear
-    layers: tuple[_Layer, ...]
+    layers: tuple[LayerModules, ...]
     next_norms: tuple[tuple[torch.Tensor, float], ...]  # layer i+1's input norm; the final norm last
 
     @classmethod
-    def of(cls, model: nn.Module) -> _Modules:
+    def of(cls, model: nn.Module) -> ModelModules:
         """The modules of a model :func:`unsupported_reason` accepts."""
         inner = model.model
         layers = []
@@ -99,7 +99,7 @@ class _Modules:
             attn, mlp = layer.self_attn, layer.mlp
             q_norm = getattr(attn, "q_norm", None)
             layers.append(
-                _Layer(
+                LayerModules(
                     attn=attn,
                     qkv=(attn.q_proj, attn.k_proj, attn.v_proj),
                     o_proj=attn.o_proj,
@@ -127,7 +127,7 @@ class _Modules:
 
 def gemm_shapes(model: nn.Module) -> list[tuple[int, int]]:
     """``[N, K]`` of each projection group of the first layer (what a GEMM choice is keyed by)."""
-    first = _Modules.of(model).layers[0]
+    first = ModelModules.of(model).layers[0]
     return [(sum(m.weight.shape[0] for m in g), g[0].weight.shape[1]) for g in first.groups]
 
 
@@ -137,7 +137,7 @@ def choose_gemms(model: nn.Module, prepack: bool) -> GemmPlan:
     ``F.linear`` everywhere without ``prepack``."""
     if not prepack:
         return GemmPlan(PLAIN, PLAIN, source="prepack_weights=False", single=PLAIN)
-    modules = _Modules.of(model)
+    modules = ModelModules.of(model)
     groups = [layer.groups for layer in modules.layers]
     shapes = gemm_shapes(model)
 
@@ -152,7 +152,7 @@ def choose_gemms(model: nn.Module, prepack: bool) -> GemmPlan:
 def c_step_classes(model: nn.Module, gemms: GemmPlan) -> tuple[frozenset[str], str]:
     """The row classes whose decode-only steps run as one C call (``csrc/cpu_decoder.c``), and why
     the others do not, for a model the fused forward runs with ``gemms``."""
-    modules = _Modules.of(model)
+    modules = ModelModules.of(model)
     reason = _c_step_model_reason(modules)
     if reason is not None:
         return frozenset(), reason
@@ -167,7 +167,7 @@ def c_step_classes(model: nn.Module, gemms: GemmPlan) -> tuple[frozenset[str], s
     return classes, "; ".join(f"{c}: {why}" for c, why in refused.items())
 
 
-def _c_step_model_reason(modules: _Modules) -> str | None:
+def _c_step_model_reason(modules: ModelModules) -> str | None:
     """Why no decode step of this model can run as one C call (None when its layers fit)."""
     if modules.dtype not in (torch.float32, torch.bfloat16):
         return f"{modules.dtype} weights"
@@ -186,7 +186,7 @@ def _c_step_model_reason(modules: _Modules) -> str | None:
     return None
 
 
-def _c_step_gemm_reason(modules: _Modules, gemm: str) -> str | None:
+def _c_step_gemm_reason(modules: ModelModules, gemm: str) -> str | None:
     """Why the C step cannot call ``gemm`` for this model's projections (None when it can)."""
     if gemm not in cpu_decoder.GEMMS:
         return f"{gemm} has no C form"
@@ -225,7 +225,7 @@ class FusedDecoder:
         self._c_step = c_step
         self._params = list(model.parameters())
         self._rope: tuple | None = None  # (key, cos table, sin table), see _rotary
-        self._modules: _Modules | None = None  # read on the first step
+        self._modules: ModelModules | None = None  # read on the first step
         self._linear: PackedLinears | None = None
         self._versions: list[int] | None = None  # parameter versions the packed copies were made at
         # per GEMM name: (key, layer records or None, what the key's ids name)
@@ -263,11 +263,11 @@ class FusedDecoder:
             table = self._rope = (key, cos[0].contiguous(), sin[0].contiguous())
         return table[1].index_select(0, positions), table[2].index_select(0, positions)
 
-    def _current(self) -> _Modules:
+    def _current(self) -> ModelModules:
         """The modules this step reads, with packed copies that match the weights."""
         modules = self._modules
         if modules is None:
-            modules = self._modules = _Modules.of(self.model)
+            modules = self._modules = ModelModules.of(self.model)
             self._linear = PackedLinears(modules.dtype, plan=self._gemms)
             self._versions = None
         # In-place updates (optimizer steps, copy_) bump version counters: one pass over every
@@ -288,7 +288,7 @@ class FusedDecoder:
         self._linear.entry((modules.lm_head,))
 
     def _c_layers(
-        self, modules: _Modules, linear: PackedLinears, meta: AttentionMetadata, rows: int
+        self, modules: ModelModules, linear: PackedLinears, meta: AttentionMetadata, rows: int
     ) -> tuple | None:
         """``(gemm, words, floats, dims)`` for :func:`cbgen.model.kernels.cpu.decoder.decoder_step` on a
         decode step of ``rows`` rows: the layer records of these modules, packed weights and KV
@@ -320,7 +320,7 @@ class FusedDecoder:
 
     @staticmethod
     def _build_c_layers(
-        mods: _Modules, linear: PackedLinears, meta: AttentionMetadata, gemm: str
+        mods: ModelModules, linear: PackedLinears, meta: AttentionMetadata, gemm: str
     ) -> tuple | None:
         """(words, floats, (heads, kv heads, head_dim, intermediate, block size, blocks)) when every layer's
         projections are packed for ``gemm`` (a GEMM the C step calls: AMX, or the panel GEMM), with

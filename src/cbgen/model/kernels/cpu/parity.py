@@ -100,10 +100,20 @@ def parity_linear(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | 
         )
     rows, k = x.shape
     n = weight.shape[0]
+    if packed is None:
+        packed = parity_pack(weight) if rows and n and k else None
+    return parity_linear_packed(x, packed, n)
+
+
+def parity_linear_packed(x: torch.Tensor, packed: torch.Tensor | None, n: int) -> torch.Tensor:
+    """:func:`parity_linear` from ``packed = parity_pack(weight)`` of a weight with ``n`` rows.
+    Each output element's chain depends on its own column of the weight only, so a pack of
+    concatenated weights (q, k and v) gives each column the bits its own weight's pack gives."""
+    rows, k = x.shape
     if rows == 0 or n == 0 or k == 0:
         return x.new_zeros(rows, n)
     if packed is None:
-        packed = parity_pack(weight)
+        raise ValueError("parity_linear_packed: no packed weight")
     if _uses_pairs(x.dtype):
         return _pairs_linear(x, packed, n)
     return panel_linear(x, packed, n)

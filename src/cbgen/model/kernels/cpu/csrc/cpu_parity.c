@@ -18,6 +18,7 @@
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 
 #include "cbgen_numerics.h"
 
@@ -37,6 +38,30 @@ static inline void store1(void *p, int64_t i, float v, const int dtype) {
 /* The fixed fold of 8 partial sums. */
 static inline float fold8(const float *a) {
     return ((a[0] + a[4]) + (a[1] + a[5])) + ((a[2] + a[6]) + (a[3] + a[7]));
+}
+
+/* exp(x) for a score minus its row's maximum (x <= 0), the same bits in the scalar and the 8-lane
+ * form below: x clamped to [-80, 0] (e^-80 ~ 2e-35 stays a normal float, so no denormal mode can
+ * change a result), k = nearest(x log2 e), r = x - k ln 2 in two fused steps (Cody-Waite), e^r by a
+ * degree-7 polynomial (Cephes' expf coefficients) in fused multiply-adds, times 2^k (exact).  About
+ * 1 ulp, where libm's scalar expf made the exponentials most of the kernel's time. */
+static const float EXP_LOG2E = 1.44269504088896341f, EXP_C1 = 0.693359375f, EXP_C2 = -2.12194440e-4f;
+static const float EXP_P[6] = {1.9875691500e-4f, 1.3981999507e-3f, 8.3334519073e-3f,
+                               4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f};
+
+static inline float exp_score(float x) {
+    x = x > -80.0f ? x : -80.0f; /* a NaN becomes -80, as vmaxps(x, -80) gives */
+    x = x < 0.0f ? x : 0.0f;
+    const float k = nearbyintf(x * EXP_LOG2E);
+    float r = fmaf(-k, EXP_C1, x);
+    r = fmaf(-k, EXP_C2, r);
+    float p = EXP_P[0];
+    for (int i = 1; i < 6; ++i) p = fmaf(p, r, EXP_P[i]);
+    const float y = fmaf(p, r * r, r) + 1.0f;
+    const uint32_t bits = (uint32_t)((int32_t)k + 127) << 23;
+    float scale;
+    memcpy(&scale, &bits, sizeof scale);
+    return y * scale;
 }
 
 #if defined(__AVX2__) && defined(__FMA__)
@@ -71,6 +96,44 @@ static inline void axpy(float *acc, float e, const void *v, int64_t D, const int
         _mm256_storeu_ps(acc + d, _mm256_fmadd_ps(ev, widen8(v, d, dtype), _mm256_loadu_ps(acc + d)));
     for (; d < D; ++d) acc[d] = fmaf(e, load1(v, d, dtype), acc[d]);
 }
+
+/* exp_score on 8 lanes, op for op. */
+static inline __m256 exp_score8(__m256 x) {
+    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-80.0f)), _mm256_setzero_ps());
+    const __m256 k =
+        _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(EXP_LOG2E)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m256 nk = _mm256_sub_ps(_mm256_setzero_ps(), k);
+    __m256 r = _mm256_fmadd_ps(nk, _mm256_set1_ps(EXP_C1), x);
+    r = _mm256_fmadd_ps(nk, _mm256_set1_ps(EXP_C2), r);
+    __m256 p = _mm256_set1_ps(EXP_P[0]);
+    for (int i = 1; i < 6; ++i) p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(EXP_P[i]));
+    const __m256 y = _mm256_add_ps(_mm256_fmadd_ps(p, _mm256_mul_ps(r, r), r), _mm256_set1_ps(1.0f));
+    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(k), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+}
+
+/* s[j] = exp_score(s[j] - max s) for j < n; returns the normaliser: 8 partial sums (lane l takes
+ * j = l, l + 8, ... below n - n % 8) folded by fold8, then the tail in order. */
+static float exp_and_sum(float *s, int64_t n) {
+    const int64_t n8 = n - n % LANES;
+    __m256 top8 = _mm256_set1_ps(-INFINITY);
+    for (int64_t j = 0; j < n8; j += LANES) top8 = _mm256_max_ps(top8, _mm256_loadu_ps(s + j));
+    float lanes[LANES], top = -INFINITY;
+    _mm256_storeu_ps(lanes, top8);
+    for (int l = 0; l < LANES; ++l) top = lanes[l] > top ? lanes[l] : top;
+    for (int64_t j = n8; j < n; ++j) top = s[j] > top ? s[j] : top;
+    const __m256 topv = _mm256_set1_ps(top);
+    __m256 sum8 = _mm256_setzero_ps();
+    for (int64_t j = 0; j < n8; j += LANES) {
+        const __m256 e = exp_score8(_mm256_sub_ps(_mm256_loadu_ps(s + j), topv));
+        _mm256_storeu_ps(s + j, e);
+        sum8 = _mm256_add_ps(sum8, e);
+    }
+    _mm256_storeu_ps(lanes, sum8);
+    float norm = fold8(lanes);
+    for (int64_t j = n8; j < n; ++j) norm += (s[j] = exp_score(s[j] - top));
+    return norm;
+}
 #else
 static inline void dot_keys(const float *q, const void *k, int64_t ks, int64_t D8, float *sums, const int C,
                             const int dtype) {
@@ -84,6 +147,16 @@ static inline void dot_keys(const float *q, const void *k, int64_t ks, int64_t D
 
 static inline void axpy(float *acc, float e, const void *v, int64_t D, const int dtype) {
     for (int64_t d = 0; d < D; ++d) acc[d] = fmaf(e, load1(v, d, dtype), acc[d]);
+}
+
+static float exp_and_sum(float *s, int64_t n) {
+    const int64_t n8 = n - n % LANES;
+    float top = -INFINITY, lanes[LANES] = {0};
+    for (int64_t j = 0; j < n; ++j) top = s[j] > top ? s[j] : top;
+    for (int64_t j = 0; j < n8; ++j) lanes[j % LANES] += (s[j] = exp_score(s[j] - top));
+    float norm = fold8(lanes);
+    for (int64_t j = n8; j < n; ++j) norm += (s[j] = exp_score(s[j] - top));
+    return norm;
 }
 #endif
 
@@ -119,8 +192,9 @@ static void dots(const float *q, const void *k, int64_t ks, int64_t D, int C, fl
  * output 0); the key at position j of table row g is at logical index seq_start[g] + j of that row's
  * blocks.  Causal; window > 0 keeps keys j > p - window; softcap > 0 maps a score s to
  * softcap * tanh(s / softcap).  Each query: scores in the dot order above times scale, their
- * maximum, exp(s - max), then the normaliser and the weighted values summed over its visible keys in
- * increasing position, one fused multiply-add per key and lane; out = values / normaliser. */
+ * maximum, exp_score(s - max) and the normaliser (exp_and_sum's 8-lane order), then the weighted
+ * values summed over its visible keys in increasing position, one fused multiply-add per key and
+ * lane; out = values / normaliser. */
 int cbgen_parity_attention(const void *q, int64_t q_row_stride, int64_t q_head_stride, const void *k, const void *v,
                            int64_t kv_block, int64_t kv_slot, int64_t kv_head, int64_t num_blocks, int64_t block_size,
                            const int32_t *table, int64_t table_stride, int64_t table_width, int64_t table_rows,
@@ -194,12 +268,8 @@ int cbgen_parity_attention(const void *q, int64_t q_row_stride, int64_t q_head_s
                 }
                 j += C;
             }
-            for (int64_t r = 0; r < group; ++r) {
-                /* exp(s - max) in place: the maximum is exact in any order. */
-                float *scores = buf + r * per_head, top = -INFINITY;
-                for (int64_t j = 0; j < n; ++j) top = scores[j] > top ? scores[j] : top;
-                for (int64_t j = 0; j < n; ++j) scores[j] = expf(scores[j] - top);
-            }
+            float norms[group];
+            for (int64_t r = 0; r < group; ++r) norms[r] = exp_and_sum(buf + r * per_head, n);
             for (int64_t j = 0; j < n; ++j) {
                 const int64_t i = seq_start[g] + lo + j;
                 const int64_t off = table[g * table_stride + i / block_size] * kv_block + (i % block_size) * kv_slot;
@@ -210,12 +280,9 @@ int cbgen_parity_attention(const void *q, int64_t q_row_stride, int64_t q_head_s
                 }
             }
             for (int64_t r = 0; r < group; ++r) {
-                /* The normaliser: the same e-values, summed in increasing position. */
                 const float *head = buf + r * per_head;
-                float norm = 0.0f;
-                for (int64_t j = 0; j < n; ++j) norm += head[j];
                 char *o = (char *)out + (t * out_row_stride + (kh * group + r) * D) * esize;
-                for (int64_t d = 0; d < D; ++d) store1(o, d, head[longest + D + d] / norm, dtype);
+                for (int64_t d = 0; d < D; ++d) store1(o, d, head[longest + D + d] / norms[r], dtype);
             }
         }
         free(buf);

@@ -1,0 +1,168 @@
+"""Parity mode's engine forward without the module tree, for the Llama-family models the fused CPU
+path knows.
+
+The parity plan's general forward runs the model's modules under the parity dispatch mode
+(:class:`cbgen.batch_invariant.dispatch.ParityOps`), as the trainer side does.  On a small model
+most of that step is not arithmetic: ~60 aten ops per decoder layer each pass through the Python
+dispatch mode, plus transformers' module calls (measured on SmolLM2, 32 decode rows, Zen 4: about
+half of the step).  This forward issues the ops that reach the same kernels directly:
+
+* every projection through :func:`cbgen.model.kernels.cpu.parity.parity_linear_packed`, the
+  kernel the mode routes ``linear`` to; q/k/v and gate/up as one product each, from one pack of
+  the concatenated weights (each output element's chain reads only its own weight column, so the
+  concatenation changes no bit);
+* SiLU, and the rotary module's ``cos``/``sin`` (run under the mode, once per step), through the
+  mode's whole-vector form (:mod:`cbgen.batch_invariant.lanes`);
+* attention through the same paged attention function and parity backend;
+* RMSNorm, the rotary products and the residual adds as transformers' modules write them, in the
+  same dtypes (exact elementwise ops and last-dimension reductions over rows of the same length).
+
+So its logits equal the module forward's bit for bit, hence the trainer side's.  That is checked,
+not assumed: at engine start :func:`self_check` runs two probe steps both ways and the runner falls
+back to the module forward if any bit differs (a transformers release that changes the math).
+Which models qualify is :func:`cbgen.model.cpu_fast.qualify.unsupported_reason`'s answer, the
+fused path's; the runner re-plans when the model's structure changes (an adapter injected).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import nn
+
+from cbgen.batch_invariant.dispatch import ParityOps
+from cbgen.batch_invariant.lanes import lanewise
+from cbgen.batch_invariant.packs import WeightPacks
+from cbgen.model.attention import AttentionMetadata, paged_attention_forward
+from cbgen.model.cpu_fast.fused_forward import LayerModules, ModelModules
+from cbgen.model.kernels.cpu.parity import parity_linear_packed, parity_pack
+
+log = logging.getLogger("cbgen")
+
+_SILU = torch.ops.aten.silu.default
+
+
+def _rmsnorm(x: torch.Tensor, norm: tuple[torch.Tensor, float]) -> torch.Tensor:
+    # LlamaRMSNorm's forward (and Mistral's, Qwen2's, Qwen3's), op for op.
+    weight, eps = norm
+    dtype = x.dtype
+    h = x.to(torch.float32)
+    variance = h.pow(2).mean(-1, keepdim=True)
+    h = h * torch.rsqrt(variance + eps)
+    return weight * h.to(dtype)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # apply_rotary_pos_emb: x * cos + rotate_half(x) * sin, on [T, heads, D] with cos [T, 1, D].
+    half = x.shape[-1] // 2
+    return (x * cos) + (torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin)
+
+
+class ParityDirectForward:
+    """Runs parity-mode steps of a model the fused path qualifies (see the module docstring).
+    ``packs`` are the runner's packed single weights (the LM head); the concatenated q/k/v and
+    gate/up packs live here and go with :meth:`weights_changed`."""
+
+    def __init__(self, model: nn.Module, packs: WeightPacks) -> None:
+        self.model = model
+        self.packs = packs
+        self._mods: ModelModules | None = None
+        self._groups: dict[tuple[int, int], tuple[torch.Tensor, int, list]] = {}
+
+    def weights_changed(self) -> None:
+        """Drops the packed copies (the runner calls it on every weight change it is told of)."""
+        self._groups.clear()
+
+    def _group(self, layer: int, index: int, mods: tuple[nn.Linear, ...]) -> tuple:
+        key = (layer, index)
+        entry = self._groups.get(key)
+        if entry is None:
+            weights = [m.weight.detach() for m in mods]
+            weight = weights[0] if len(weights) == 1 else torch.cat(weights)
+            # Each member's bias over its own columns only: a member without one adds nothing.
+            biases, start = [], 0
+            for m, w in zip(mods, weights):
+                if m.bias is not None:
+                    biases.append((start, start + w.shape[0], m.bias.detach()))
+                start += w.shape[0]
+            entry = self._groups[key] = (parity_pack(weight), weight.shape[0], biases)
+        return entry
+
+    def _linear(self, x: torch.Tensor, layer: LayerModules, index: int) -> torch.Tensor:
+        packed, n, biases = self._group(layer.layer_idx, index, layer.groups[index])
+        out = parity_linear_packed(x, packed, n)
+        # nn.Linear under the mode: the product, then ``+ bias``.
+        for start, end, bias in biases:
+            if start == 0 and end == n:
+                out = out + bias
+            else:
+                out[:, start:end] += bias
+        return out
+
+    @torch.inference_mode()
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        """Logits ``[R, V]`` for ``rows`` of the packed batch, equal to the module forward's."""
+        if self._mods is None:
+            self._mods = ModelModules.of(self.model)
+        mods = self._mods
+        hidden = mods.embed(input_ids)
+        tokens = hidden.shape[0]
+        with ParityOps(self.packs):
+            cos, sin = mods.rotary(hidden[None], positions[None])
+        cos, sin = cos[0][:, None, :], sin[0][:, None, :]
+        for layer in mods.layers:
+            d = layer.head_dim
+            x = _rmsnorm(hidden, layer.in_norm)
+            qkv = self._linear(x, layer, 0)
+            nq = layer.qkv[0].weight.shape[0]
+            nk = layer.qkv[1].weight.shape[0]
+            q = qkv[:, :nq].view(tokens, -1, d)
+            k = qkv[:, nq : nq + nk].view(tokens, -1, d)
+            v = qkv[:, nq + nk :].view(tokens, -1, d)
+            if layer.qk_norms is not None:
+                # Over contiguous rows, as the module's norm sees its projection's fresh output.
+                q = _rmsnorm(q.contiguous(), layer.qk_norms[0])
+                k = _rmsnorm(k.contiguous(), layer.qk_norms[1])
+            q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+            attn = layer.attn
+            out, _ = paged_attention_forward(
+                attn,
+                q.transpose(0, 1)[None],
+                k.transpose(0, 1)[None],
+                v.transpose(0, 1)[None],
+                None,
+                scaling=layer.scaling,
+                sliding_window=layer.window or None,
+                cbgen_meta=meta,
+            )
+            hidden = hidden + self._linear(out[0].reshape(tokens, -1).contiguous(), layer, 1)
+            x = _rmsnorm(hidden, layer.post_norm)
+            gate_up = self._linear(x, layer, 2)
+            inter = layer.gate_up[0].weight.shape[0]
+            act = lanewise(_SILU, gate_up[:, :inter]) * gate_up[:, inter:]
+            hidden = hidden + self._linear(act, layer, 3)
+        # The final norm is per row, so only the rows that are sampled need it.
+        x = _rmsnorm(hidden.index_select(0, rows), mods.next_norms[-1])
+        head = mods.lm_head.weight
+        return parity_linear_packed(x, self.packs.get(head), head.shape[0])
+
+
+def self_check(engine) -> bool:
+    """Whether the engine's direct forward gives the module forward's logits bit for bit on the
+    start-up probe's two steps (:func:`cbgen.model.support.paged_probe_logits`).  Called at engine
+    start when the plan chose the direct forward; the runner falls back when it does not."""
+    from cbgen.model.support import paged_probe_logits
+
+    runner = engine.runner
+    direct = paged_probe_logits(engine)
+    if direct is None:
+        return True  # a cache too small for the probe: nothing to compare on
+    saved, runner.direct = runner.direct, None
+    try:
+        module = paged_probe_logits(engine)
+    finally:
+        runner.direct = saved
+    return all(torch.equal(a, b) for a, b in zip(direct, module))
