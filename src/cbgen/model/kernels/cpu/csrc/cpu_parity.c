@@ -22,9 +22,17 @@
 
 #include "cbgen_numerics.h"
 
-/* Keys scored together: TC independent sums keep the FMA pipes busy.  The grouping changes no
- * key's order. */
-enum { LANES = 8, TC = 4 };
+/* LANES: the partial sums of a dot product (see the passes below). */
+enum { LANES = 8 };
+
+/* Keys and values are read through the block table, so the hardware prefetcher does not run ahead
+ * of a row of keys: the passes ask for the key or value PF positions ahead (on Zen 4 the value pass
+ * waited on memory most of its time without).  Prefetches change no arithmetic. */
+enum { PF = 8 };
+
+static inline void prefetch_bytes(const char *p, int64_t bytes) {
+    for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(p + b);
+}
 
 static inline float load1(const void *p, int64_t i, const int dtype) {
     return dtype == 0 ? ((const float *)p)[i] : bf16_to_f32(((const uint16_t *)p)[i]);
@@ -73,28 +81,114 @@ static inline __attribute__((always_inline)) __m256 widen8(const void *p, int64_
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
 }
 
-/* sums[c][lane] over the first D8 elements of q (float32) and key c (ks apart). */
-static inline __attribute__((always_inline)) void dot_keys(const float *q, const void *k, int64_t ks, int64_t D8,
-                                                          float *sums, const int C, const int dtype) {
-    __m256 acc[TC];
-#pragma GCC unroll 4
-    for (int c = 0; c < C; ++c) acc[c] = _mm256_setzero_ps();
-    for (int64_t d = 0; d < D8; d += LANES) {
-        const __m256 qv = _mm256_loadu_ps(q + d);
-#pragma GCC unroll 4
-        for (int c = 0; c < C; ++c) acc[c] = _mm256_fmadd_ps(qv, widen8(k, c * ks + d, dtype), acc[c]);
-    }
-#pragma GCC unroll 4
-    for (int c = 0; c < C; ++c) _mm256_storeu_ps(sums + c * LANES, acc[c]);
+/* The two passes of one task (a row and a key/value head) over its n keys, key j at element offset
+ * offs[j] of the key and of the value store (they share strides).  The group's query heads are
+ * blocked NH at a time so that their sums stay in registers while each key or value is loaded once;
+ * what each head computes is what it would compute alone:
+ *   score:  8 partial sums over d (lane l takes d = l, l + 8, ... below D8), acc = fma(q, k, acc),
+ *           folded by fold8, then d = D8 .. D - 1 in order, times scale (then the soft cap);
+ *   values: acc[d] = fma(e_j, v_j[d], acc[d]) for j = 0, 1, ..., n - 1. */
+enum { NH_MAX = 3, SCORE_KEYS = 4, VALUE_VECS = 4 };
+
+/* fold8 of four 8-lane sums at once: (lo + hi) pairs lanes l and l + 4, two horizontal adds then
+ * take ((l0 + l4) + (l1 + l5)) + ((l2 + l6) + (l3 + l7)), fold8's order. */
+static inline __m128 fold8x4(__m256 a, __m256 b, __m256 c, __m256 d) {
+    const __m128 ta = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+    const __m128 tb = _mm_add_ps(_mm256_castps256_ps128(b), _mm256_extractf128_ps(b, 1));
+    const __m128 tc = _mm_add_ps(_mm256_castps256_ps128(c), _mm256_extractf128_ps(c, 1));
+    const __m128 td = _mm_add_ps(_mm256_castps256_ps128(d), _mm256_extractf128_ps(d, 1));
+    return _mm_hadd_ps(_mm_hadd_ps(ta, tb), _mm_hadd_ps(tc, td));
 }
 
-/* acc[0..D) = fmaf(e, v[0..D), acc[0..D)). */
-static inline void axpy(float *acc, float e, const void *v, int64_t D, const int dtype) {
-    int64_t d = 0;
-    const __m256 ev = _mm256_set1_ps(e);
-    for (; d + LANES <= D; d += LANES)
-        _mm256_storeu_ps(acc + d, _mm256_fmadd_ps(ev, widen8(v, d, dtype), _mm256_loadu_ps(acc + d)));
-    for (; d < D; ++d) acc[d] = fmaf(e, load1(v, d, dtype), acc[d]);
+/* Partial sums (folded) of keys j .. j + 3 for NH heads: sc[r][j + c] = fold8 of head r, key c.
+ * Keys past n repeat key n - 1 and their results are not stored. */
+static inline __attribute__((always_inline)) void score_keys(float *const *sc, const float *const *qf, const char *k,
+                                                            const int64_t *offs, int64_t j, int64_t n, int64_t D8,
+                                                            int64_t esize, const int NH, const int dtype) {
+    const char *kp[SCORE_KEYS];
+#pragma GCC unroll 4
+    for (int c = 0; c < SCORE_KEYS; ++c) kp[c] = k + offs[j + c < n ? j + c : n - 1] * esize;
+    for (int c = 0; c < SCORE_KEYS && j + PF + c < n; ++c) prefetch_bytes(k + offs[j + PF + c] * esize, D8 * esize);
+    __m256 acc[NH_MAX][SCORE_KEYS];
+#pragma GCC unroll 3
+    for (int r = 0; r < NH; ++r)
+#pragma GCC unroll 4
+        for (int c = 0; c < SCORE_KEYS; ++c) acc[r][c] = _mm256_setzero_ps();
+    for (int64_t d = 0; d < D8; d += LANES) {
+        __m256 kv[SCORE_KEYS];
+#pragma GCC unroll 4
+        for (int c = 0; c < SCORE_KEYS; ++c) kv[c] = widen8(kp[c], d, dtype);
+#pragma GCC unroll 3
+        for (int r = 0; r < NH; ++r) {
+            const __m256 qv = _mm256_loadu_ps(qf[r] + d);
+#pragma GCC unroll 4
+            for (int c = 0; c < SCORE_KEYS; ++c) acc[r][c] = _mm256_fmadd_ps(qv, kv[c], acc[r][c]);
+        }
+    }
+    const int C = n - j < SCORE_KEYS ? (int)(n - j) : SCORE_KEYS;
+#pragma GCC unroll 3
+    for (int r = 0; r < NH; ++r) {
+        float four[SCORE_KEYS];
+        _mm_storeu_ps(four, fold8x4(acc[r][0], acc[r][1], acc[r][2], acc[r][3]));
+        for (int c = 0; c < C; ++c) sc[r][j + c] = four[c];
+    }
+}
+
+/* acc[r][d0 .. d0 + 8 NV) over all n values, for NH heads, the sums held in registers. */
+static inline __attribute__((always_inline)) void weigh_values(float *const *acc, const float *const *e, const char *v,
+                                                              const int64_t *offs, int64_t n, int64_t d0,
+                                                              int64_t esize, const int NH, const int NV,
+                                                              const int dtype) {
+    __m256 a[NH_MAX][VALUE_VECS];
+#pragma GCC unroll 3
+    for (int r = 0; r < NH; ++r)
+#pragma GCC unroll 4
+        for (int u = 0; u < NV; ++u) a[r][u] = _mm256_loadu_ps(acc[r] + d0 + u * LANES);
+    for (int64_t j = 0; j < n; ++j) {
+        const char *vp = v + offs[j] * esize;
+        if (j + PF < n) prefetch_bytes(v + (offs[j + PF] + d0) * esize, NV * LANES * esize);
+        __m256 vv[VALUE_VECS];
+#pragma GCC unroll 4
+        for (int u = 0; u < NV; ++u) vv[u] = widen8(vp, d0 + u * LANES, dtype);
+#pragma GCC unroll 3
+        for (int r = 0; r < NH; ++r) {
+            const __m256 ev = _mm256_set1_ps(e[r][j]);
+#pragma GCC unroll 4
+            for (int u = 0; u < NV; ++u) a[r][u] = _mm256_fmadd_ps(ev, vv[u], a[r][u]);
+        }
+    }
+#pragma GCC unroll 3
+    for (int r = 0; r < NH; ++r)
+#pragma GCC unroll 4
+        for (int u = 0; u < NV; ++u) _mm256_storeu_ps(acc[r] + d0 + u * LANES, a[r][u]);
+}
+
+#define SCORE_CASE(NH, DT)                                                                                   \
+    case (NH) * 2 + (DT):                                                                                    \
+        for (int64_t j = 0; j < n; j += SCORE_KEYS) score_keys(sc, qf, k, offs, j, n, D8, esize, NH, DT);   \
+        break;
+
+/* Both passes' blocked loops for nh <= NH_MAX heads (the scores' D8 part, the values' D8 part). */
+static void score_pass(float *const *sc, const float *const *qf, const char *k, const int64_t *offs, int64_t n,
+                       int64_t D8, int64_t esize, int nh, const int dtype) {
+    switch (nh * 2 + dtype) {
+        SCORE_CASE(1, 0) SCORE_CASE(1, 1) SCORE_CASE(2, 0) SCORE_CASE(2, 1) SCORE_CASE(3, 0) SCORE_CASE(3, 1)
+    }
+}
+
+#define VALUE_CASE(NH, NV, DT)                                                                               \
+    case ((NH) * 8 + (NV)) * 2 + (DT): weigh_values(acc, e, v, offs, n, d0, esize, NH, NV, DT); break;
+#define VALUE_CASES(NH, DT) VALUE_CASE(NH, 1, DT) VALUE_CASE(NH, 2, DT) VALUE_CASE(NH, 3, DT) VALUE_CASE(NH, 4, DT)
+
+static void value_pass(float *const *acc, const float *const *e, const char *v, const int64_t *offs, int64_t n,
+                       int64_t D8, int64_t esize, int nh, const int dtype) {
+    for (int64_t d0 = 0; d0 < D8; d0 += VALUE_VECS * LANES) {
+        const int nv = (int)((D8 - d0) / LANES < VALUE_VECS ? (D8 - d0) / LANES : VALUE_VECS);
+        switch ((nh * 8 + nv) * 2 + dtype) {
+            VALUE_CASES(1, 0) VALUE_CASES(1, 1) VALUE_CASES(2, 0) VALUE_CASES(2, 1) VALUE_CASES(3, 0)
+            VALUE_CASES(3, 1)
+        }
+    }
 }
 
 /* exp_score on 8 lanes, op for op. */
@@ -135,18 +229,25 @@ static float exp_and_sum(float *s, int64_t n) {
     return norm;
 }
 #else
-static inline void dot_keys(const float *q, const void *k, int64_t ks, int64_t D8, float *sums, const int C,
-                            const int dtype) {
-    for (int c = 0; c < C; ++c) {
-        float *s = sums + c * LANES;
-        for (int l = 0; l < LANES; ++l) s[l] = 0.0f;
-        for (int64_t d = 0; d < D8; d += LANES)
-            for (int l = 0; l < LANES; ++l) s[l] = fmaf(q[d + l], load1(k, c * ks + d + l, dtype), s[l]);
-    }
+enum { NH_MAX = 3 };
+
+static void score_pass(float *const *sc, const float *const *qf, const char *k, const int64_t *offs, int64_t n,
+                       int64_t D8, int64_t esize, int nh, const int dtype) {
+    for (int r = 0; r < nh; ++r)
+        for (int64_t j = 0; j < n; ++j) {
+            const char *kp = k + offs[j] * esize;
+            float s[LANES] = {0};
+            for (int64_t d = 0; d < D8; d += LANES)
+                for (int l = 0; l < LANES; ++l) s[l] = fmaf(qf[r][d + l], load1(kp, d + l, dtype), s[l]);
+            sc[r][j] = fold8(s);
+        }
 }
 
-static inline void axpy(float *acc, float e, const void *v, int64_t D, const int dtype) {
-    for (int64_t d = 0; d < D; ++d) acc[d] = fmaf(e, load1(v, d, dtype), acc[d]);
+static void value_pass(float *const *acc, const float *const *e, const char *v, const int64_t *offs, int64_t n,
+                       int64_t D8, int64_t esize, int nh, const int dtype) {
+    for (int r = 0; r < nh; ++r)
+        for (int64_t j = 0; j < n; ++j)
+            for (int64_t d = 0; d < D8; ++d) acc[r][d] = fmaf(e[r][j], load1(v + offs[j] * esize, d, dtype), acc[r][d]);
 }
 
 static float exp_and_sum(float *s, int64_t n) {
@@ -159,32 +260,6 @@ static float exp_and_sum(float *s, int64_t n) {
     return norm;
 }
 #endif
-
-/* One dot product from its 8 partial sums: the fold, then the D % 8 tail in order. */
-static inline float finish(const float *s, const float *q, const void *k, int64_t D8, int64_t D, const int dtype) {
-    float v = fold8(s);
-    for (int64_t d = D8; d < D; ++d) v = fmaf(q[d], load1(k, d, dtype), v);
-    return v;
-}
-
-/* out[c] = dot(q[0..D), key c) for C <= TC keys ks apart (q float32, keys of dtype), each in the
- * order above, as if alone. */
-static void dots(const float *q, const void *k, int64_t ks, int64_t D, int C, float *out, const int dtype) {
-    float s[TC * LANES];
-    const int64_t D8 = D - D % LANES;
-    switch (C * 2 + dtype) {
-    case 2: dot_keys(q, k, ks, D8, s, 1, 0); break;
-    case 3: dot_keys(q, k, ks, D8, s, 1, 1); break;
-    case 4: dot_keys(q, k, ks, D8, s, 2, 0); break;
-    case 5: dot_keys(q, k, ks, D8, s, 2, 1); break;
-    case 6: dot_keys(q, k, ks, D8, s, 3, 0); break;
-    case 7: dot_keys(q, k, ks, D8, s, 3, 1); break;
-    case 8: dot_keys(q, k, ks, D8, s, 4, 0); break;
-    default: dot_keys(q, k, ks, D8, s, 4, 1); break;
-    }
-    const int64_t esize = dtype == 0 ? 4 : 2;
-    for (int c = 0; c < C; ++c) out[c] = finish(s + c * LANES, q, (const char *)k + c * ks * esize, D8, D, dtype);
-}
 
 /* Attention for T query rows of H heads (q [T, H, D], any row and head strides) over a
  * paged key/value store [num_blocks, block_size, Hkv, D] (strides kv_block, kv_slot, kv_head; D
@@ -228,12 +303,14 @@ int cbgen_parity_attention(const void *q, int64_t q_row_stride, int64_t q_head_s
 #pragma omp parallel
     {
         float *buf = (float *)malloc((size_t)(group * per_head + 1) * sizeof(float));
+        int64_t *offs = (int64_t *)malloc((size_t)(longest + 1) * sizeof(int64_t));
+        if (!offs) free(buf), buf = NULL;
         if (!buf) {
 #pragma omp atomic write
             failed = 1;
         }
         /* One task per (row, key/value head): the group's query heads share each key and value
-         * load; every head's arithmetic is exactly what it would be alone. */
+         * load (score_pass, value_pass); every head's arithmetic is exactly what it would be alone. */
 #pragma omp for schedule(dynamic, 1)
         for (int64_t task = 0; task < T * Hkv; ++task) {
             if (!buf) continue;
@@ -249,35 +326,41 @@ int cbgen_parity_attention(const void *q, int64_t q_row_stride, int64_t q_head_s
                 for (int64_t d = 0; d < D; ++d) qf[d] = load1(qp, d, dtype), acc[d] = 0.0f;
             }
             const int64_t lo = window > 0 && p - window + 1 > 0 ? p - window + 1 : 0, n = p - lo + 1;
-            const int64_t head_off = kh * kv_head;
-            /* Scores a run of keys at a time (up to TC consecutive slots of one block: independent
-             * sums for the FMA pipes), each key's score in the same order as a lone dot. */
-            for (int64_t j = 0; j < n;) {
-                const int64_t i = seq_start[g] + lo + j, slot = i % block_size;
-                const int64_t run = n - j < TC ? n - j : TC, fit = block_size - slot;
-                const int C = (int)(run < fit ? run : fit);
-                const int64_t off = table[g * table_stride + i / block_size] * kv_block + slot * kv_slot + head_off;
-                for (int64_t r = 0; r < group; ++r) {
-                    float *scores = buf + r * per_head;
-                    dots(scores + longest, (const char *)k + off * esize, kv_slot, D, C, scores + j, dtype);
-                    for (int c = 0; c < C; ++c) {
-                        float sc = scores[j + c] * scale;
-                        if (softcap > 0.0f) sc = softcap * tanhf(sc / softcap);
-                        scores[j + c] = sc;
-                    }
-                }
-                j += C;
+            const int64_t head_off = kh * kv_head, D8 = D - D % LANES;
+            const int32_t *row_table = table + g * table_stride;
+            /* Walked block by block: one division per task, not one per key. */
+            for (int64_t j = 0, b = (seq_start[g] + lo) / block_size, slot = (seq_start[g] + lo) % block_size; j < n;
+                 ++b, slot = 0) {
+                const int64_t base = row_table[b] * kv_block + head_off;
+                for (; slot < block_size && j < n; ++slot, ++j) offs[j] = base + slot * kv_slot;
             }
             float norms[group];
-            for (int64_t r = 0; r < group; ++r) norms[r] = exp_and_sum(buf + r * per_head, n);
-            for (int64_t j = 0; j < n; ++j) {
-                const int64_t i = seq_start[g] + lo + j;
-                const int64_t off = table[g * table_stride + i / block_size] * kv_block + (i % block_size) * kv_slot;
-                const char *vp = (const char *)v + (off + head_off) * esize;
-                for (int64_t r = 0; r < group; ++r) {
-                    float *head = buf + r * per_head;
-                    axpy(head + longest + D, head[j], vp, D, dtype);
+            for (int64_t r0 = 0; r0 < group; r0 += NH_MAX) {
+                const int nh = group - r0 < NH_MAX ? (int)(group - r0) : NH_MAX;
+                float *sc[NH_MAX], *acc[NH_MAX];
+                const float *qf[NH_MAX];
+                for (int r = 0; r < nh; ++r) {
+                    float *head = buf + (r0 + r) * per_head;
+                    sc[r] = head, qf[r] = head + longest, acc[r] = head + longest + D;
                 }
+                score_pass(sc, qf, (const char *)k, offs, n, D8, esize, nh, dtype);
+                for (int r = 0; r < nh; ++r) {
+                    for (int64_t j = 0; j < n; ++j) {
+                        const char *kp = (const char *)k + offs[j] * esize;
+                        float sv = sc[r][j];
+                        for (int64_t d = D8; d < D; ++d) sv = fmaf(qf[r][d], load1(kp, d, dtype), sv);
+                        sv *= scale;
+                        if (softcap > 0.0f) sv = softcap * tanhf(sv / softcap);
+                        sc[r][j] = sv;
+                    }
+                    norms[r0 + r] = exp_and_sum(sc[r], n);
+                }
+                value_pass(acc, (const float *const *)sc, (const char *)v, offs, n, D8, esize, nh, dtype);
+                for (int r = 0; r < nh; ++r)
+                    for (int64_t j = 0; j < n && D8 < D; ++j) {
+                        const char *vp = (const char *)v + offs[j] * esize;
+                        for (int64_t d = D8; d < D; ++d) acc[r][d] = fmaf(sc[r][j], load1(vp, d, dtype), acc[r][d]);
+                    }
             }
             for (int64_t r = 0; r < group; ++r) {
                 const float *head = buf + r * per_head;
@@ -286,6 +369,7 @@ int cbgen_parity_attention(const void *q, int64_t q_row_stride, int64_t q_head_s
             }
         }
         free(buf);
+        free(offs);
     }
     return failed ? 3 : 0;
 }
