@@ -245,8 +245,9 @@ def _parity_plan(
 ) -> ExecutionPlan:
     """The parity plan: the one set of paths whose results the trainer side reproduces exactly (see
     :mod:`cbgen.batch_invariant`).  Everything that changes a reduction order by batch, chunk or
-    cache state is off: the fused C forward and its packed GEMMs, the C attention and greedy
-    kernels, short prefill chunks as decode rows, CUDA graphs and ``torch.compile``."""
+    cache state is off: the fused C forward and its packed GEMMs, the C attention kernels, short
+    prefill chunks as decode rows, CUDA graphs and ``torch.compile``.  The C greedy kernel stays (an
+    argmax is exact; the logprobs are recomputed the trainer side's way)."""
     if config.compile:
         raise ValueError("batch_invariant=True runs eagerly: compile=True is not supported with it")
     if config.decode_mode == "graphs":
@@ -262,6 +263,13 @@ def _parity_plan(
         )
     sampled_rows, sampled_rows_why = _sampled_rows_choice(device)
     forward, forward_why = _parity_forward_choice(model, device, dtype, decode_mode)
+    greedy, greedy_why = _greedy_choice(device, dtype)
+    if greedy == "c":
+        # An argmax is exact whatever the order; the logprobs still come from the trainer side's
+        # log-softmax (the sampler's parity step), so the kernel changes no reported bit.
+        greedy_why += ", an exact argmax; logprobs through the trainer side's functions"
+    else:
+        greedy_why = "parity mode: raw and processed logprobs through the trainer side's functions"
     return ExecutionPlan(
         model=type(model).__name__,
         device=device,
@@ -275,8 +283,8 @@ def _parity_plan(
         gemms=None,
         c_step=frozenset(),
         c_step_why="not with the module forward",
-        greedy="torch",
-        greedy_why="parity mode: raw and processed logprobs through the trainer side's functions",
+        greedy=greedy,
+        greedy_why=greedy_why,
         sampled_rows=sampled_rows,
         sampled_rows_why=sampled_rows_why,
         row_prefill_max=0,

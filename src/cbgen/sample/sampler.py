@@ -144,7 +144,11 @@ class Sampler:
             and kernel_takes(logits)
         ):
             # Reads bfloat16 logits as they are (no float32 copy).
-            return greedy_by_kernel(logits, self.greedy_kernel)
+            out = greedy_by_kernel(logits, self.greedy_kernel)
+            if self.parity:
+                # The argmax is exact in any order; the logprobs are the trainer side's.
+                _parity_logprobs(out, logits, logits, params)
+            return out
         raw, proc = self._stage_0_1(logits, params, requests, failed)
         step = _Step.start(raw, proc, params)
         if params.sampled_rows:
@@ -208,14 +212,22 @@ def _parity_logprobs(out: SamplerOutput, raw: torch.Tensor, proc: torch.Tensor, 
         out.log_kept_mass[g] = raw_lp[g]
     if params.sampled_rows:
         s = torch.tensor(params.sampled_rows, dtype=torch.int64)
-        dev = proc.device
-        lp = truncated_logprobs(
-            proc.index_select(0, s.to(dev)),
-            out.device_token_ids.index_select(0, s.to(dev)),
-            params.temperature.index_select(0, s).to(dev),
-            out.kept_thresholds.index_select(0, s).to(dev),
-        )
-        out.logprobs[s] = lp.cpu()
+        temperature, cut = params.temperature.index_select(0, s), out.kept_thresholds.index_select(0, s)
+        if proc is raw:
+            # Unprocessed logits at temperature 1 with nothing cut: truncated_logprobs' input is the
+            # raw row itself (x / 1 and the all-true mask are exact), so its value is the raw logprob.
+            same = (temperature == 1.0) & (cut == float("-inf"))
+            out.logprobs[s[same]] = raw_lp[s[same]]
+            s, temperature, cut = s[~same], temperature[~same], cut[~same]
+        if len(s):
+            dev = proc.device
+            lp = truncated_logprobs(
+                proc.index_select(0, s.to(dev)),
+                out.device_token_ids.index_select(0, s.to(dev)),
+                temperature.to(dev),
+                cut.to(dev),
+            )
+            out.logprobs[s] = lp.cpu()
 
 
 @dataclass
