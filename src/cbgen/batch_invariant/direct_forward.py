@@ -70,6 +70,15 @@ class ParityDirectForward:
         self._mods: ModelModules | None = None
         self._groups: dict[tuple[int, int], tuple[torch.Tensor, int, list]] = {}
 
+    def prepare(self) -> None:
+        """Packs every weight the next step reads (the engine calls it at start, after the check)."""
+        if self._mods is None:
+            self._mods = ModelModules.of(self.model)
+        for layer in self._mods.layers:
+            for index, group in enumerate(layer.groups):
+                self._group(layer.layer_idx, index, group)
+        self.packs.get(self._mods.lm_head.weight)
+
     def weights_changed(self) -> None:
         """Drops the packed copies (the runner calls it on every weight change it is told of)."""
         self._groups.clear()

@@ -136,7 +136,12 @@ class ModelRunner:
         """Records the start-up check of the parity plan's direct forward; a failed one sends this
         runner to the module forward for good (re-resolved plans included)."""
         self.direct_checked = passed
-        if not passed:
+        if passed:
+            # The check's module forward packed every single weight; the direct forward reads only
+            # the concatenated groups and the LM head, so the rest would be a second packed model.
+            self.parity_packs.clear()
+            self.direct.prepare()
+        else:
             log.warning(
                 "cbgen: parity mode's direct forward differs from the module forward; running the latter"
             )

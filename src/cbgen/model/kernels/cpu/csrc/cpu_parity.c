@@ -16,6 +16,7 @@
  * touched: rc 1 = bad sizes, 2 = an index (row, position, block) out of range, 3 = no memory for
  * scratch. */
 #include <math.h>
+#include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -299,6 +300,10 @@ int cbgen_parity_attention(const void *q, int64_t q_row_stride, int64_t q_head_s
     const int64_t group = H / Hkv, esize = dtype == 0 ? 4 : 2;
     /* Per query head of a group: its scores, its query in float32 and its accumulator. */
     const int64_t per_head = longest + 2 * D;
+    /* Tasks: whole rows when there are enough of them to keep every thread busy, its kv heads one
+     * after the other on one core (as the default decode kernel, cpu_paged.c, found: a task per kv
+     * head reads a third of each run of cache lines); otherwise one task per (row, kv head). */
+    const int64_t split = T >= 4 * (int64_t)omp_get_max_threads() ? 1 : Hkv, heads_per_task = Hkv / split;
     int failed = 0;
 #pragma omp parallel
     {
@@ -312,9 +317,10 @@ int cbgen_parity_attention(const void *q, int64_t q_row_stride, int64_t q_head_s
         /* One task per (row, key/value head): the group's query heads share each key and value
          * load (score_pass, value_pass); every head's arithmetic is exactly what it would be alone. */
 #pragma omp for schedule(dynamic, 1)
-        for (int64_t task = 0; task < T * Hkv; ++task) {
-            if (!buf) continue;
-            const int64_t t = task / Hkv, kh = task % Hkv, p = row_pos[t], g = row_seq[t];
+        for (int64_t task = 0; task < T * split; ++task) {
+          if (!buf) continue;
+          const int64_t t = task / split, p = row_pos[t], g = row_seq[t];
+          for (int64_t kh = task % split * heads_per_task; kh < (task % split + 1) * heads_per_task; ++kh) {
             if (p < 0) {
                 for (int64_t h = kh * group; h < (kh + 1) * group; ++h)
                     for (int64_t d = 0; d < D; ++d) store1((char *)out + (t * out_row_stride + h * D) * esize, d, 0.0f, dtype);
@@ -367,6 +373,7 @@ int cbgen_parity_attention(const void *q, int64_t q_row_stride, int64_t q_head_s
                 char *o = (char *)out + (t * out_row_stride + (kh * group + r) * D) * esize;
                 for (int64_t d = 0; d < D; ++d) store1(o, d, head[longest + D + d] / norms[r], dtype);
             }
+          }
         }
         free(buf);
         free(offs);
