@@ -24,6 +24,7 @@ from cbgen.batch_invariant.lanes import lanewise
 from cbgen.batch_invariant.native import parity_form
 from cbgen.batch_invariant.paged import chunk_groups
 from cbgen.model import plan as plan_module
+from cbgen.model import support
 from extras import require_extra
 from tiny_models import ARCHS, make_model, make_prompts, make_wide_model
 
@@ -421,6 +422,16 @@ def test_direct_forward_falls_back_when_its_check_fails(monkeypatch, caplog) -> 
     handle.remove()
     llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2), use_tqdm=False)
     assert llm.engine.plan.forward == "module"
+
+
+@pytest.mark.native("avx2")
+def test_direct_forward_unchecked_is_not_run(monkeypatch) -> None:
+    """A cache too small for the start-up check's steps: the check cannot run, so neither does the
+    direct forward."""
+    monkeypatch.setattr(support, "paged_probe_logits", lambda engine: None)
+    llm = LLM(make_model("llama"), num_blocks=64, batch_invariant=True)
+    assert llm.engine.runner.direct_checked is False and llm.engine.plan.forward == "module"
+    assert "not checked" in llm.engine.plan.forward_why
 
 
 @pytest.mark.native("avx2")

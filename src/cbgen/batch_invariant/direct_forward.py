@@ -159,16 +159,17 @@ class ParityDirectForward:
         return parity_linear_packed(x, self.packs.get(head), head.shape[0])
 
 
-def self_check(engine) -> bool:
+def self_check(engine) -> bool | None:
     """Whether the engine's direct forward gives the module forward's logits bit for bit on the
-    start-up probe's two steps (:func:`cbgen.model.support.paged_probe_logits`).  Called at engine
-    start when the plan chose the direct forward; the runner falls back when it does not."""
+    start-up probe's two steps (:func:`cbgen.model.support.paged_probe_logits`); None when the
+    cache is too small for them.  Called at engine start when the plan chose the direct forward;
+    the runner runs the module forward unless it passed."""
     from cbgen.model.support import paged_probe_logits
 
     runner = engine.runner
     direct = paged_probe_logits(engine)
     if direct is None:
-        return True  # a cache too small for the probe: nothing to compare on
+        return None
     saved, runner.direct = runner.direct, None
     try:
         module = paged_probe_logits(engine)

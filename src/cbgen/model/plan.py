@@ -238,6 +238,7 @@ def resolve_plan(
 
 
 _PARITY_WHY = "batch_invariant=True: raw logprobs equal cbgen.parity's trainer forward bit for bit"
+PARITY_MODULE_WHY = "parity mode: the trainer's module forward, under the parity dispatch mode"
 
 
 def _parity_plan(
@@ -302,14 +303,13 @@ def _parity_forward_choice(
     """The parity plan's forward: the direct one (:mod:`cbgen.batch_invariant.direct_forward`)
     where the C parity kernels run and the fused path qualifies the model, else the modules under
     the parity dispatch mode."""
-    module_why = "parity mode: the trainer's module forward, under the parity dispatch mode"
     if decode_mode != "eager":
-        return "module", module_why + f" (decode mode {decode_mode!r})"
+        return "module", PARITY_MODULE_WHY + f" (decode mode {decode_mode!r})"
     if parity_kernels.parity_form(device, dtype) != "c":
-        return "module", module_why
+        return "module", PARITY_MODULE_WHY
     reason = fused_forward.unsupported_reason(model)
     if reason is not None:
-        return "module", f"{module_why} (direct forward: {reason})"
+        return "module", f"{PARITY_MODULE_WHY} (direct forward: {reason})"
     return "direct", (
         "parity mode: the module forward's kernels called directly, checked bit for bit against it at start"
     )

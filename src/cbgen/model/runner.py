@@ -25,11 +25,9 @@ from cbgen.model.cpu_fast.qualify import StructureWatch
 from cbgen.model.graphs import StaticDecodeRunner
 from cbgen.model.input_batch import ModelInput
 from cbgen.model.kv_cache import KVCache
-from cbgen.model.plan import ExecutionPlan, resolve_again
+from cbgen.model.plan import PARITY_MODULE_WHY, ExecutionPlan, resolve_again
 
 log = logging.getLogger("cbgen")
-
-_MODULE_WHY = "parity mode: the trainer's module forward, under the parity dispatch mode"
 
 
 def model_forward(
@@ -108,19 +106,19 @@ class ModelRunner:
         # The parity plan's direct forward runs only once the engine's start-up check passed
         # (cbgen.batch_invariant.direct_forward.self_check): None until then, then its verdict.
         self.direct_checked: bool | None = None
-        self._follow(plan)
+        self._follow(plan, initial=True)
         if self.fused is not None:
             # Engine start, not the first step, pays for packing (~0.3 s for SmolLM2 in bf16).
             self.fused.prepare()
 
-    def _follow(self, plan: ExecutionPlan) -> None:
-        """Runs what ``plan`` says from the next forward on."""
-        if plan.forward == "direct" and self.direct_checked is not True and hasattr(self, "plan"):
-            # Re-resolved to the direct forward without a passed start-up check (failed, or the
-            # plan at start was the module forward): the check needs the idle cache of engine start.
-            why = "failed" if self.direct_checked is False else "not run at start"
+    def _follow(self, plan: ExecutionPlan, initial: bool = False) -> None:
+        """Runs what ``plan`` says from the next forward on (``initial``: the plan at start, whose
+        direct forward the engine is about to check)."""
+        if plan.forward == "direct" and not initial and self.direct_checked is not True:
+            # The direct forward without a passed start-up check (failed, not possible, or the plan
+            # at start was the module forward): the check needs the idle cache of engine start.
             plan = dataclasses.replace(
-                plan, forward="module", forward_why=f"{_MODULE_WHY} (the direct forward's check {why})"
+                plan, forward="module", forward_why=f"{PARITY_MODULE_WHY} (the direct forward is not checked)"
             )
         self.plan = plan
         self.fused: FusedDecoder | None = None
@@ -132,20 +130,26 @@ class ModelRunner:
         elif plan.forward == "direct":
             self.direct = ParityDirectForward(self.model, self.parity_packs)
 
-    def direct_check_done(self, passed: bool) -> None:
-        """Records the start-up check of the parity plan's direct forward; a failed one sends this
-        runner to the module forward for good (re-resolved plans included)."""
-        self.direct_checked = passed
+    def direct_check_done(self, passed: bool | None) -> None:
+        """Records the start-up check of the parity plan's direct forward (None: the cache was too
+        small to run it); anything but a pass sends this runner to the module forward for good,
+        re-resolved plans included."""
+        self.direct_checked = passed is True
         if passed:
             # The check's module forward packed every single weight; the direct forward reads only
             # the concatenated groups and the LM head, so the rest would be a second packed model.
             self.parity_packs.clear()
             self.direct.prepare()
+            return
+        if passed is None:
+            log.info(
+                "cbgen: parity mode runs the module forward: the cache is too small for the direct forward's check"
+            )
         else:
             log.warning(
                 "cbgen: parity mode's direct forward differs from the module forward; running the latter"
             )
-            self._follow(self.plan)
+        self._follow(self.plan)
 
     def _replan(self, why: str) -> None:
         """Resolves the plan again for the model as it is now, and follows it."""
