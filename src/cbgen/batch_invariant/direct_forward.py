@@ -26,8 +26,6 @@ fused path's; the runner re-plans when the model's structure changes (an adapter
 
 from __future__ import annotations
 
-import logging
-
 import torch
 from torch import nn
 
@@ -37,8 +35,6 @@ from cbgen.batch_invariant.packs import WeightPacks
 from cbgen.model.attention import AttentionMetadata, paged_attention_forward
 from cbgen.model.cpu_fast.fused_forward import LayerModules, ModelModules
 from cbgen.model.kernels.cpu.parity import parity_linear_packed, parity_pack
-
-log = logging.getLogger("cbgen")
 
 _SILU = torch.ops.aten.silu.default
 
