@@ -9,6 +9,7 @@ building blocks' invariance (tiled matmuls, whole-vector transcendentals, the bl
 
 from __future__ import annotations
 
+import contextlib
 import random
 from dataclasses import dataclass, field
 
@@ -280,6 +281,38 @@ def test_batch_invariance(kind: str, dtype: torch.dtype) -> None:
     for tokens, lp, _ in runs[1:]:
         assert tokens == first_tokens
         assert torch.equal(torch.tensor(lp), torch.tensor(first_lp))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_parity_holds_while_the_thread_count_changes(dtype: torch.dtype) -> None:
+    """The CPU thread governor runs steps on fewer threads while other processes hold cores: the bits
+    must not depend on it.  Steps alternate between 1 and 2 threads; the trainer runs on 2."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        model = make_wide_model("llama", dtype=dtype)
+        llm = LLM(model, block_size=8, max_num_batched_tokens=40, batch_invariant=True)
+        engine = llm.engine
+        seen: list[int] = []
+
+        @contextlib.contextmanager
+        def alternating():
+            n = 1 + len(seen) % 2
+            seen.append(n)
+            torch.set_num_threads(n)
+            try:
+                yield n
+            finally:
+                torch.set_num_threads(2)
+
+        engine.threads.governed = alternating
+        rng = random.Random(3)
+        samples = run_workload(llm, _workload_prompts(rng, 10, model.config.vocab_size), 3)
+        assert set(seen) == {1, 2}
+        bad, total = mismatches(model, samples)
+        assert total >= 10 * 3 and bad == 0, f"{bad} of {total} tokens differ from the trainer's"
+    finally:
+        torch.set_num_threads(before)
 
 
 def test_batch_invariance_default_mode_greedy() -> None:

@@ -10,6 +10,7 @@ Examples::
     cbgen bench --tiny --repeats 1 --no-isolate   # seconds-long smoke run
     cbgen bench --workloads chat --cold-start     # + process start -> all outputs, per engine
     cbgen bench --engines cbgen --no-check        # numbers without a correctness reference (marked so)
+    cbgen bench --workloads chat,long --neighbour nice19   # while another process holds one core
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from cbgen_bench.engine_settings import ENGINE_NAMES, MAX_NUM_BATCHED_TOKENS, MA
 from cbgen_bench.logprob_check import check_cold, check_sampled
 from cbgen_bench.long_run import bench_long
 from cbgen_bench.matmul_ceiling import COLD_BYTES, best_ceiling, matmul_ceiling
+from cbgen_bench.neighbour import NEIGHBOURS, busy_neighbour
 from cbgen_bench.report import failed, profile_breakdown, summarize, write_json
 from cbgen_bench.report_markdown import markdown
 from cbgen_bench.report_plot import plot
@@ -157,6 +159,13 @@ def _add_extra_args(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="report numbers whose output could not be checked (no hf-generate in --engines) instead of "
         "failing; the report says NOT CHECKED in its header",
+    )
+    p.add_argument(
+        "--neighbour",
+        choices=sorted(NEIGHBOURS),
+        default=None,
+        help="while the engines generate, a busy process in its own session holds one core at this "
+        "nice level (the ceilings are timed without it); compare with a run without it",
     )
     p.add_argument(
         "--no-isolate",
@@ -322,7 +331,8 @@ def _bench_workload(
     # load from other jobs during one measurement does not lower it.
     log(f"{name}: timing the matmul ceiling")
     before = matmul_ceiling(dims, **rows, device=args.device, budget_s=budget, cold_bytes=cold)
-    got.results[name] = run_rounds(name, wl, runnable, model, key, opts, isolate=not args.no_isolate)
+    with busy_neighbour(args.neighbour):
+        got.results[name] = run_rounds(name, wl, runnable, model, key, opts, isolate=not args.no_isolate)
     if not wl.greedy:
         log(f"{name}: checking every run's sampled tokens against a plain forward")
         check_sampled(model, wl, got.results[name], args.dtype)

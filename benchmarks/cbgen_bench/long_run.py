@@ -21,6 +21,7 @@ from cbgen_bench.long_context import (
     warm_up,
 )
 from cbgen_bench.matmul_ceiling import COLD_BYTES, best_gemm
+from cbgen_bench.neighbour import busy_neighbour
 from cbgen_bench.rounds import log
 from cbgen_bench.run_meta import loadavg
 from cbgen_bench.vllm_launch import vllm_unsupported_reason
@@ -77,6 +78,28 @@ def bench_long(
     prefill_rows = min(MAX_NUM_BATCHED_TOKENS, max(c.prompt_len for c in cases))
     log(f"long: {', '.join(c.name for c in cases)} on {key}; measuring bandwidth and the prefill GEMM")
     machine = _machine(args, dims, prefill_rows)
+    with busy_neighbour(getattr(args, "neighbour", None)):
+        timings = _run_engines(args, engines, model, key, cases, prompts, vocab)
+    machine = _best_of(machine, _machine(args, dims, prefill_rows))
+    elem = 2 if args.dtype == "bfloat16" else 4
+    kv_heads = int(getattr(cfg, "num_key_value_heads", None) or dims.num_heads)
+    case_bounds = [
+        bounds(c, dims, kv_heads, elem, machine["bandwidth_gbs"], machine["prefill_gflops"]) for c in cases
+    ]
+    machine["loadavg_end"] = loadavg()
+    return summarize_long(cases, timings, case_bounds, machine)
+
+
+def _run_engines(
+    args: argparse.Namespace,
+    engines: list[str],
+    model: Any,
+    key: str,
+    cases: list,
+    prompts: list,
+    vocab: int,
+) -> dict[str, list[CaseTiming] | str]:
+    """Each engine's timings over ``cases`` (an error's text where it failed), rounds interleaved."""
     timings: dict[str, list[CaseTiming] | str] = {}
     local = [e for e in engines if e in IN_PROCESS]
     for engine in local:
@@ -109,14 +132,7 @@ def bench_long(
         except Exception as err:
             timings["vllm"] = f"{type(err).__name__}: {err}"
             log(f"long/vllm: ERROR {timings['vllm']}")
-    machine = _best_of(machine, _machine(args, dims, prefill_rows))
-    elem = 2 if args.dtype == "bfloat16" else 4
-    kv_heads = int(getattr(cfg, "num_key_value_heads", None) or dims.num_heads)
-    case_bounds = [
-        bounds(c, dims, kv_heads, elem, machine["bandwidth_gbs"], machine["prefill_gflops"]) for c in cases
-    ]
-    machine["loadavg_end"] = loadavg()
-    return summarize_long(cases, timings, case_bounds, machine)
+    return timings
 
 
 __all__ = ["bench_long"]

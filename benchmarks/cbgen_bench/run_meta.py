@@ -56,6 +56,7 @@ def run_meta(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
         "cold_start": args.cold_start,
         "cold_repeats": args.cold_repeats if args.cold_start else None,
         "no_check": bool(getattr(args, "no_check", False)),
+        "neighbour": getattr(args, "neighbour", None),
         "python": platform.python_version(),
         "torch": torch.__version__,
         "transformers": transformers.__version__,

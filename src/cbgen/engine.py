@@ -26,6 +26,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from cbgen import envs
 from cbgen.batch_invariant import direct_forward
 from cbgen.config import EngineConfig
 from cbgen.core import update as step_update
@@ -38,6 +39,7 @@ from cbgen.engine_control import EngineControl
 from cbgen.inputs import as_token_ids
 from cbgen.limits import RequestLimits
 from cbgen.model import support
+from cbgen.model.cpu_threads import ThreadGovernor
 from cbgen.model.input_batch import InputBuilder, ModelInput
 from cbgen.model.kv_cache import KVCache, KVGeometry, choose_num_blocks
 from cbgen.model.loading.weights import WeightWatcher
@@ -130,6 +132,8 @@ class Engine:
                     "async_scheduling is not used with tensor parallelism (ranks exchange each step's tokens)"
                 )
             self.async_scheduling = False
+        # CPU steps leave out the threads whose cores other processes hold (model/cpu_threads.py).
+        self.threads = ThreadGovernor(enabled=self.device.type == "cpu" and envs.flag("CBGEN_FOLLOW_LOAD"))
         # The one value carried from a step to the next (overlap scheduling only).
         self.in_flight: InFlight | None = None
         self.control = EngineControl(self)
@@ -400,9 +404,10 @@ class Engine:
         if not self.kv_cache.allocated:
             raise RuntimeError("the KV cache was released: call resume_memory() before generating again")
         last, self.in_flight = self.in_flight, None  # a step that raises leaves nothing in flight
-        result = self._step(last)
+        with self.threads.governed() as threads:
+            result = self._step(last)
         self.in_flight = result.in_flight
-        self._account(result)
+        self._account(result, threads)
         return result.outputs
 
     def _step(self, last: InFlight | None) -> StepResult:
@@ -548,7 +553,7 @@ class Engine:
             self.groups.pop(group.request_id, None)
         return out
 
-    def _account(self, result: StepResult) -> None:
+    def _account(self, result: StepResult, threads: int) -> None:
         s = self.stats
         sched, batch = result.plan.sched, result.plan.batch
         s.steps += 1
@@ -568,6 +573,7 @@ class Engine:
             waiting=len(self.scheduler.waiting),
             kv_usage=self.block_manager.usage,
             times=result.times,
+            threads=threads,
         )
 
     # ------------------------------------------------------------------ memory

@@ -45,6 +45,12 @@ VARIABLES: dict[str, EnvVar] = {
             "0",
             "1 makes a failed C kernel build an error instead of a fallback to torch (`make test` sets it)",
         ),
+        EnvVar(
+            "CBGEN_FOLLOW_LOAD",
+            "1",
+            "0 keeps CPU steps on torch's thread count even while other processes hold cores "
+            "(by default a step runs on one thread fewer per core a neighbour keeps busy)",
+        ),
         EnvVar("CBGEN_LOG_LEVEL", "INFO", "level of cbgen's own log handler when no handler is configured"),
         EnvVar("CBGEN_API_KEY", None, "API key of `cbgen serve` (keeps it out of the process list)"),
         EnvVar("CC", None, "C compiler for the CPU kernels (default: cc, then gcc)"),

@@ -54,3 +54,4 @@ class StepStats:
     waiting: int
     kv_usage: float
     times: dict[str, float] = field(default_factory=dict)
+    threads: int = 0  # torch threads the step ran on (fewer than the user's while others hold cores)

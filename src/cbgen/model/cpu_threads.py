@@ -1,0 +1,171 @@
+"""How many threads a CPU step uses: torch's thread count, less the cores other processes keep busy.
+
+Every CPU kernel splits its work evenly over its threads and ends in a barrier.  When another process
+takes one of the cores, the thread on that core runs only in the time slices the kernel scheduler
+leaves it, and every barrier of every kernel waits for its next slice: one busy neighbour turned 37
+tok/s of single-stream decode into 1 tok/s on a 2-core Zen 4 (docs/design.md, "CPU threads").  Nice
+levels do not prevent it: with autogroup scheduling a process of another session gets its fair share
+whatever its nice value.  With one thread fewer, every thread keeps a core.
+
+:class:`ThreadGovernor` samples, at most every ``interval_s``, how much CPU time the machine's
+processes other than this one took on the CPUs this process may run on (``/proc/stat`` against this
+process's own CPU time), and :meth:`ThreadGovernor.step_threads` gives the count for the next step.
+The engine sets it around each step and restores the user's count afterwards, so a trainer sharing
+the process never sees it.  Where ``/proc/stat`` cannot be read (not Linux), it does nothing.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+
+log = logging.getLogger("cbgen")
+
+# A neighbour counts as holding a core once it takes this share of one: at 0.4 of a core the thread
+# sharing with it already loses most of its slices to barrier waits (measured in docs/design.md).
+CORE_TAKEN_AT = 0.4
+# Giving threads back waits for this many samples in a row that agree, so a neighbour that pauses
+# for a moment does not bring the stalls back at once; taking them away happens at the first one.
+RAISE_AFTER = 2
+
+
+@dataclass(frozen=True)
+class CpuSample:
+    """Cumulative CPU seconds at one moment: busy time of the watched CPUs and this process's own."""
+
+    wall_s: float
+    busy_s: float
+    own_s: float
+
+
+def _watched_cpus() -> list[int]:
+    try:
+        return sorted(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return []
+
+
+def read_proc_stat(cpus: list[int], path: str = "/proc/stat") -> float | None:
+    """Busy seconds of ``cpus`` since boot (user, nice, system, irq, softirq and steal: time this
+    process could not have had), or None where the file cannot be read."""
+    wanted = {f"cpu{c}" for c in cpus}
+    tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+    busy = 0
+    seen = 0
+    try:
+        with open(path) as f:
+            for line in f:
+                fields = line.split()
+                if not fields or fields[0] not in wanted:
+                    continue
+                # user nice system idle iowait irq softirq steal (guest time is inside user)
+                values = [int(v) for v in fields[1:9]]
+                busy += values[0] + values[1] + values[2] + values[5] + values[6] + values[7]
+                seen += 1
+    except (OSError, ValueError, IndexError):
+        return None
+    return busy / tick if seen == len(wanted) and seen else None
+
+
+def _sample_now(cpus: list[int]) -> CpuSample | None:
+    busy = read_proc_stat(cpus)
+    if busy is None:
+        return None
+    return CpuSample(time.monotonic(), busy, time.process_time())
+
+
+def cores_taken(before: CpuSample, after: CpuSample) -> float:
+    """Cores other processes kept busy between two samples (0 when no time passed)."""
+    wall = after.wall_s - before.wall_s
+    if wall <= 0:
+        return 0.0
+    others = (after.busy_s - before.busy_s) - (after.own_s - before.own_s)
+    return max(0.0, others / wall)
+
+
+def threads_for(configured: int, num_cpus: int, taken: float) -> int:
+    """The thread count that leaves every thread a core: ``configured`` less the cores a neighbour
+    holds beyond the ones this process does not use, and never below one."""
+    lost = int(taken + (1.0 - CORE_TAKEN_AT))
+    return max(1, min(configured, num_cpus - lost))
+
+
+class ThreadGovernor:
+    """Decides each CPU step's thread count from the load other processes put on this process's CPUs.
+
+    ``sample`` and ``clock`` are injectable for tests: ``sample`` returns a :class:`CpuSample` or None
+    (unreadable), and is called only once ``clock`` says ``interval_s`` has passed, so a step between
+    samples costs one clock read.
+    """
+
+    def __init__(
+        self,
+        interval_s: float = 0.5,
+        cpus: list[int] | None = None,
+        sample: Callable[[], CpuSample | None] | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        enabled: bool = True,
+    ) -> None:
+        self.cpus = (_watched_cpus() if cpus is None else cpus) if enabled else []
+        self.interval_s = interval_s
+        self._clock = clock
+        self._sample = sample or (lambda: _sample_now(self.cpus))
+        self._last = self._sample() if self.cpus else None
+        self.enabled = self._last is not None
+        self.taken = 0.0  # cores held by others in the last window, for stats and logs
+        self._want = 0  # 0: no limit yet
+        self._agree = 0
+
+    def step_threads(self, configured: int) -> int:
+        """The thread count for the next step, given the user's current ``torch.get_num_threads()``."""
+        if not self.enabled or configured <= 1:
+            return configured
+        if self._clock() - self._last.wall_s >= self.interval_s:
+            now = self._sample()
+            if now is None:
+                self.enabled = False
+                return configured
+            self.taken = cores_taken(self._last, now)
+            self._last = now
+            before = self._want or configured
+            self._update(threads_for(configured, len(self.cpus), self.taken))
+            if self._want and self._want != before:
+                log.info(
+                    "cbgen: other processes keep %.1f of %d cores busy: CPU steps run on %d of %d threads",
+                    self.taken,
+                    len(self.cpus),
+                    min(configured, self._want),
+                    configured,
+                )
+        return min(configured, self._want) if self._want else configured
+
+    def _update(self, want: int) -> None:
+        current = self._want or want
+        if want < current:
+            self._want, self._agree = want, 0
+        elif want > current:
+            self._agree += 1
+            if self._agree >= RAISE_AFTER:
+                self._want, self._agree = want, 0
+        else:
+            self._want, self._agree = want, 0
+
+    @contextmanager
+    def governed(self) -> Iterator[int]:
+        """Runs the block with the governed thread count and restores the user's afterwards."""
+        configured = torch.get_num_threads()
+        n = self.step_threads(configured)
+        if n == configured:
+            yield n
+            return
+        torch.set_num_threads(n)
+        try:
+            yield n
+        finally:
+            torch.set_num_threads(configured)

@@ -1,0 +1,211 @@
+"""The CPU thread governor (``cbgen.model.cpu_threads``): how many threads a step gets while other
+processes hold cores, when it changes its mind, that it gives the user's count back, and that the
+engine's output does not depend on it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from cbgen import LLM, SamplingParams
+from cbgen.model import cpu_threads
+from cbgen.model.cpu_threads import (
+    CORE_TAKEN_AT,
+    RAISE_AFTER,
+    CpuSample,
+    ThreadGovernor,
+    cores_taken,
+    threads_for,
+)
+from oracle import compare, hf_greedy
+from tiny_models import make_prompts, make_wide_model
+
+
+@given(
+    configured=st.integers(1, 64),
+    num_cpus=st.integers(1, 128),
+    taken=st.floats(0.0, 130.0, allow_nan=False),
+    more=st.floats(0.0, 10.0, allow_nan=False),
+)
+def test_threads_for_is_bounded_and_gives_way_to_load(configured, num_cpus, taken, more) -> None:
+    n = threads_for(configured, num_cpus, taken)
+    assert 1 <= n <= configured
+    assert threads_for(configured, num_cpus, taken + more) <= n  # more load never adds threads
+    if taken < CORE_TAKEN_AT and configured <= num_cpus:
+        assert n == configured  # an idle machine keeps the user's count
+
+
+def test_threads_for_on_two_cores() -> None:
+    assert threads_for(2, 2, 0.0) == 2
+    assert threads_for(2, 2, CORE_TAKEN_AT - 0.01) == 2
+    assert threads_for(2, 2, CORE_TAKEN_AT) == 1  # a neighbour holding 0.4 of a core already costs one
+    assert threads_for(2, 2, 1.0) == 1
+    assert threads_for(2, 2, 2.0) == 1  # never zero
+    # Cores this process does not use absorb the load first.
+    assert threads_for(16, 32, 10.0) == 16
+    assert threads_for(16, 32, 20.0) == 12
+
+
+def test_cores_taken_subtracts_this_process() -> None:
+    before = CpuSample(wall_s=10.0, busy_s=100.0, own_s=50.0)
+    after = CpuSample(wall_s=11.0, busy_s=102.0, own_s=51.0)  # 2 cores busy, 1 of them ours
+    assert cores_taken(before, after) == pytest.approx(1.0)
+    assert cores_taken(before, CpuSample(10.0, 100.0, 50.0)) == 0.0  # no time passed
+    assert cores_taken(before, CpuSample(11.0, 101.0, 51.5)) == 0.0  # clock skew: never negative
+
+
+class FakeMachine:
+    """A clock and a CPU counter: ``others`` cores busy besides this process's ``own`` cores."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+        self.busy = 0.0
+        self.own = 0.0
+        self.others = 0.0
+        self.own_rate = 2.0
+        self.reads = 0
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+        self.busy += (self.others + self.own_rate) * seconds
+        self.own += self.own_rate * seconds
+
+    def sample(self) -> CpuSample:
+        self.reads += 1
+        return CpuSample(self.now, self.busy, self.own)
+
+
+def _governor(machine: FakeMachine) -> ThreadGovernor:
+    return ThreadGovernor(interval_s=0.5, cpus=[0, 1], sample=machine.sample, clock=lambda: machine.now)
+
+
+def test_governor_drops_at_once_and_raises_after_agreeing_windows() -> None:
+    m = FakeMachine()
+    gov = _governor(m)
+    assert gov.enabled and gov.step_threads(2) == 2
+    m.others = 1.0
+    m.advance(0.1)
+    assert gov.step_threads(2) == 2  # within the interval: nothing read, nothing changed
+    m.advance(0.5)
+    assert gov.step_threads(2) == 1  # the first window with a neighbour drops a thread
+    assert gov.taken == pytest.approx(1.0)
+    m.others, m.own_rate = 0.0, 1.0  # the neighbour leaves
+    for _ in range(RAISE_AFTER - 1):
+        m.advance(0.5)
+        assert gov.step_threads(2) == 1
+    m.advance(0.5)
+    assert gov.step_threads(2) == 2
+    # The user lowering the count is obeyed at once, whatever the governor thinks.
+    assert gov.step_threads(1) == 1
+
+
+def test_governor_reads_the_counters_once_per_interval() -> None:
+    m = FakeMachine()
+    gov = _governor(m)
+    reads = m.reads
+    for _ in range(100):
+        m.advance(0.001)
+        gov.step_threads(2)
+    assert m.reads - reads == 0
+    m.advance(0.5)
+    gov.step_threads(2)
+    assert m.reads - reads == 1
+
+
+def test_governor_off_where_counters_cannot_be_read() -> None:
+    gov = ThreadGovernor(cpus=[0, 1], sample=lambda: None)
+    assert not gov.enabled and gov.step_threads(2) == 2
+    assert not ThreadGovernor(enabled=False).enabled
+    m = FakeMachine()
+    gov = _governor(m)
+    m.advance(1.0)
+    gov._sample = lambda: None  # the file went away mid-run: stop governing, keep the user's count
+    assert gov.step_threads(2) == 2 and not gov.enabled
+
+
+def test_governed_restores_the_users_count(monkeypatch) -> None:
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        m = FakeMachine()
+        gov = _governor(m)
+        m.others = 1.0
+        m.advance(1.0)
+        with gov.governed() as n:
+            assert n == 1 and torch.get_num_threads() == 1
+        assert torch.get_num_threads() == 2
+        with pytest.raises(RuntimeError), gov.governed():
+            raise RuntimeError("a step that raises")
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_read_proc_stat(tmp_path) -> None:
+    stat = tmp_path / "stat"
+    stat.write_text(
+        "cpu  10 0 10 100 0 0 0 0 0 0\n"
+        "cpu0 100 5 20 1000 7 1 2 3 0 0\n"
+        "cpu1 200 0 30 900 0 0 0 0 0 0\n"
+        "intr 12345\n"
+    )
+    tick = cpu_threads.os.sysconf("SC_CLK_TCK")
+    # user + nice + system + irq + softirq + steal; idle and iowait are not busy.
+    assert cpu_threads.read_proc_stat([0], str(stat)) == pytest.approx((100 + 5 + 20 + 1 + 2 + 3) / tick)
+    assert cpu_threads.read_proc_stat([0, 1], str(stat)) == pytest.approx((131 + 230) / tick)
+    assert cpu_threads.read_proc_stat([0, 2], str(stat)) is None  # a CPU with no line
+    assert cpu_threads.read_proc_stat([0], str(tmp_path / "missing")) is None
+
+
+class Alternating:
+    """Stands in for the governor: steps alternate between 1 and 2 threads."""
+
+    def __init__(self) -> None:
+        self.gov = ThreadGovernor(enabled=False)
+        self.seen: list[int] = []
+
+    def governed(self):
+        n = 1 + len(self.seen) % 2
+        self.seen.append(n)
+        torch.set_num_threads(n)
+        return _restore(n)
+
+
+class _restore:
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __enter__(self) -> int:
+        return self.n
+
+    def __exit__(self, *exc) -> None:
+        torch.set_num_threads(2)
+
+
+def test_engine_output_does_not_depend_on_the_thread_count() -> None:
+    """Greedy output stays transformers' while the count changes every step, each step reports the
+    count it ran on, and the user's count is back after every step."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        model = make_wide_model("llama", dtype=torch.float32)
+        prompts = make_prompts(6, (5, 40), vocab=model.config.vocab_size, seed=5)
+        llm = LLM(model, block_size=8, max_num_batched_tokens=48)
+        engine = llm.engine
+        engine.threads = Alternating()
+        ids = [engine.add_request(p, SamplingParams(max_tokens=10, temperature=0.0)) for p in prompts]
+        got: dict[str, list[int]] = {}
+        threads = []
+        while engine.has_unfinished():
+            for out in engine.step():
+                if out.finished:
+                    got[out.request_id] = list(out.outputs[0].token_ids)
+            threads.append(engine.last_step.threads)
+            assert torch.get_num_threads() == 2
+        assert threads == engine.threads.seen and set(threads) == {1, 2}
+        refs = [hf_greedy(model, p, 10) for p in prompts]
+        compare(model, prompts, [got[i] for i in ids], refs)
+    finally:
+        torch.set_num_threads(before)
