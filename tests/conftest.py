@@ -17,7 +17,8 @@ directory of its own (``CBGEN_KERNEL_DIR``, made when this file is imported, bef
 subprocesses inherit it; removed at the end), never ``~/.cache/cbgen``: a choice timed by an earlier
 run or by the user's engines cannot change which GEMM a test runs.  Nor can this run's own timings:
 tests that do not claim a GEMM run on one fixed choice, ``CBGEN_GEMM=panel`` for every row class
-(``plain`` on CPUs without AVX2 + FMA), so two runs on one machine run the same kernel paths (a timed
+(``plain`` on CPUs without AVX2 + FMA), and on the widest decode-attention loops the build has
+(``CBGEN_DECODE_LOOPS=widest``), so two runs on one machine run the same kernel paths (a timed
 choice could flip between two GEMMs a few percent apart).  Tests that claim a GEMM force their own,
 and the tests of the measured choice itself (``test_gemm_choice.py``, ``test_plan.py``) unset it.
 The summary lists the GEMM candidates the exactness tests ran and the choices measured during the
@@ -75,6 +76,9 @@ def pytest_sessionstart(session: pytest.Session) -> None:
     # One GEMM for every test that does not claim one (module docstring), set before any engine
     # exists so subprocesses (torchrun, Ray, the server) inherit it too.
     os.environ.setdefault("CBGEN_GEMM", "panel" if panel_available() else "plain")
+    # Likewise one set of decode-attention loops: the widest the build has (the kernel tests run
+    # each set against the reference; test_decode_loops.py unsets it to test the measurement).
+    os.environ.setdefault("CBGEN_DECODE_LOOPS", "widest")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

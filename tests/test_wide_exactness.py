@@ -99,9 +99,9 @@ def ledger(monkeypatch) -> Ledger:
     def spying_candidates(dtype):
         return {name: recording(cand) for name, cand in candidates(dtype).items()}
 
-    def spying_c_step(gemm, words, floats, first_norm, hidden, *args):
+    def spying_c_step(gemm, words, floats, first_norm, hidden, *args, **kwargs):
         seen.c_step.setdefault(gemm, set()).add(hidden.shape[0])
-        return c_step(gemm, words, floats, first_norm, hidden, *args)
+        return c_step(gemm, words, floats, first_norm, hidden, *args, **kwargs)
 
     def spying_forward(self, *args, **kwargs):
         seen.fused_steps += 1

@@ -35,6 +35,12 @@ VARIABLES: dict[str, EnvVar] = {
             "(plain, mkl_packed, onednn_packed, amx)",
         ),
         EnvVar(
+            "CBGEN_DECODE_LOOPS",
+            "",
+            "the C decode-attention loops instead of the measured choice: avx512, avx2, portable or "
+            "widest (the widest this build has)",
+        ),
+        EnvVar(
             "CBGEN_PARITY_KERNELS",
             "auto",
             "parity mode's kernels instead of the automatic choice: c, triton (CUDA, or the interpreter) "

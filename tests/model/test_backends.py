@@ -35,7 +35,10 @@ def test_cpu_backend_holds_the_c_kernels() -> None:
     assert isinstance(backend, CpuBackend)
     assert choose_backend("auto", torch.device("cpu"), torch.bfloat16) == backend.name == "cpu"
     assert backend.store_kv is cpu_kernels.store_kv
-    assert backend.decode_kernel is cpu_kernels.paged_decode_attention
+    # The decode kernel with the plan's loops bound (the default: the widest the build has).
+    assert backend.decode_kernel.func is cpu_kernels.paged_decode_attention
+    assert backend.decode_kernel.keywords == {"impl": cpu_kernels.IMPL_FAST} == backend.decode_direct.keywords
+    assert backend.decode_direct.func is cpu_kernels.decode_direct
     assert backend.row_prefill_max == 64 and backend.paged_decode
     assert backend.pad_slot(123) == -1 and backend.fixed_shape() is backend
 

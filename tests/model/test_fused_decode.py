@@ -10,12 +10,13 @@ from transformers.models.llama.modeling_llama import LlamaRMSNorm, rotate_half
 
 import native_paths
 from cbgen import LLM, SamplingParams
+from cbgen.model.cpu_fast import decode_loops, packed_linears
 from cbgen.model.cpu_fast import fused_forward as fused_decode
-from cbgen.model.cpu_fast import packed_linears
 from cbgen.model.cpu_fast.fused_forward import FusedDecoder
 from cbgen.model.kernels.cpu import amx as cpu_amx
 from cbgen.model.kernels.cpu import decoder as cpu_decoder
 from cbgen.model.kernels.cpu import ops as cpu_kernels
+from cbgen.model.kernels.cpu.panel import panel_available
 from oracle import BF16, bf16_tolerance, bf16_ulp, compare, hf_greedy
 from tiny_models import make_model, make_prompts
 
@@ -251,6 +252,34 @@ def test_c_decoder_step_equals_python_loop(monkeypatch, dtype, gemm, bias) -> No
     the Python loop over the same kernels does: identical tokens and logprobs, over 40 sequences
     (rows off the 16-row tiles), then fewer as they finish apart, down to one, and enough steps to
     cross KV blocks; it is used for every decode step."""
+    _c_step_vs_python_loop(monkeypatch, dtype, gemm, bias)
+
+
+@pytest.mark.parametrize(
+    "loops",
+    [
+        pytest.param("avx512", marks=pytest.mark.native("avx512")),
+        pytest.param("avx2", marks=pytest.mark.native("avx2")),
+        "portable",
+    ],
+)
+def test_c_decoder_step_runs_the_planned_attention_loops(monkeypatch, loops) -> None:
+    """The C step attends with the decode loops the plan chose (decode_loops.py), as the Python loop
+    does: the same tokens and logprobs on each set of loops."""
+    monkeypatch.setenv("CBGEN_DECODE_LOOPS", loops)
+    impls = []
+    original = cpu_decoder.decoder_step
+    monkeypatch.setattr(
+        cpu_decoder, "decoder_step", lambda *a, **k: impls.append(k["attn_impl"]) or original(*a, **k)
+    )
+    gemm = "panel" if panel_available() else None
+    if gemm is None:
+        pytest.skip("the C step needs the panel GEMM (AVX2 + FMA)")
+    _c_step_vs_python_loop(monkeypatch, torch.float32, gemm, False)
+    assert impls and set(impls) == {decode_loops.IMPLS[loops]}
+
+
+def _c_step_vs_python_loop(monkeypatch, dtype, gemm, bias) -> None:
     if gemm != "amx":
         monkeypatch.setenv("CBGEN_GEMM", gemm)  # every row class on that GEMM
     model = make_model("llama", dtype=dtype, attention_bias=bias, mlp_bias=bias, **WIDE)

@@ -109,7 +109,7 @@ def test_picks_the_fastest_per_row_class_and_caches_it(tmp_path):
 def test_a_cache_from_another_cpu_is_not_used(tmp_path, monkeypatch):
     timer = Timer()
     _choose(tmp_path, timer)
-    monkeypatch.setattr(gemm_choice, "_cpu_key", lambda: "x86_64|model name: Another CPU|flags: avx2")
+    monkeypatch.setattr(gemm_choice, "cpu_key", lambda: "x86_64|model name: Another CPU|flags: avx2")
     plan = _choose(tmp_path, timer)
     assert plan.source == "measured" and timer.calls == 2 * CALLS
 

@@ -22,6 +22,7 @@ backend is considered: importing them probes (and may initialise) their packages
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import torch
@@ -167,12 +168,16 @@ class CpuBackend(KernelBackend):
     # the other backends.
     row_prefill_max = 64
 
-    def __init__(self) -> None:
-        super().__init__(cpu_kernels.store_kv, cpu_kernels.paged_decode_attention)
+    def __init__(self, decode_impl: int = cpu_kernels.IMPL_FAST) -> None:
+        # decode_impl: which loops the decode kernel runs (the plan's measured choice, decode_loops.py).
+        super().__init__(
+            cpu_kernels.store_kv, functools.partial(cpu_kernels.paged_decode_attention, impl=decode_impl)
+        )
+        self.decode_impl = decode_impl
         # The fused path's kernels, without the custom-op layer (see cpu_kernels.store_direct and
         # decode_direct for what they accept).
         self.store_direct = cpu_kernels.store_direct
-        self.decode_direct = cpu_kernels.decode_direct
+        self.decode_direct = functools.partial(cpu_kernels.decode_direct, impl=decode_impl)
 
     def prefill_rows(
         self,
@@ -486,10 +491,13 @@ def _torch_reason(requested: str, device: torch.device, dtype: torch.dtype) -> s
     return f"auto on the CPU: the C kernels are unavailable ({_cpu_reason()})"
 
 
-def make_backend(name: str, device: torch.device) -> AttentionBackend:
-    """A new backend object of the name :func:`backend_choice` returned."""
+def make_backend(
+    name: str, device: torch.device, decode_impl: int = cpu_kernels.IMPL_FAST
+) -> AttentionBackend:
+    """A new backend object of the name :func:`backend_choice` returned (``decode_impl``: the C
+    backend's decode loops)."""
     if name == "cpu":
-        return CpuBackend()
+        return CpuBackend(decode_impl)
     if name == "triton":
         return TritonBackend()
     if name == "flash_attn":

@@ -60,7 +60,7 @@ from cbgen.batch_invariant import native as parity_kernels
 from cbgen.config import EngineConfig
 from cbgen.model.attention import AttentionBackend
 from cbgen.model.backends import backend_choice, make_backend
-from cbgen.model.cpu_fast import fused_forward
+from cbgen.model.cpu_fast import decode_loops, fused_forward
 from cbgen.model.cpu_fast.gemm_choice import ROW_CLASSES, GemmPlan
 from cbgen.model.kernels.cpu import ops as cpu_kernels
 from cbgen.model.kv_cache import KVGeometry
@@ -86,7 +86,8 @@ GreedyKernel = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor, torch.
 class ExecutionPlan:
     """What runs for one model on one machine, each choice with the reason it was made.
 
-    ``attention``: the backend name (``torch``, ``cpu``, ``triton``, ``flash_attn``).
+    ``attention``: the backend name (``torch``, ``cpu``, ``triton``, ``flash_attn``); with ``cpu``,
+    ``decode_loops`` names the loops its decode kernel runs (measured: ``decode_loops.py``).
     ``decode_mode``: ``eager``, ``static`` or ``graphs``.  ``forward``: ``fused`` or ``module``.
     ``gemms``: with the fused forward, the projection GEMM per row class (``single``, ``decode``,
     ``prefill``); ``c_step``: the row classes whose decode-only steps run as one C call.
@@ -119,6 +120,9 @@ class ExecutionPlan:
     config: EngineConfig = field(repr=False, compare=False)
     head_dim: int = field(repr=False, compare=False)
     gemm_shapes: tuple[tuple[int, int], ...] = field(default=(), repr=False, compare=False)
+    # With the C attention backend: which loops its decode kernel runs (a key of decode_loops.IMPLS).
+    decode_loops: str = "widest"
+    decode_loops_why: str = ""
     # Parity mode (``batch_invariant=True``): every forward runs under the parity dispatch mode and
     # the sampler reports raw logprobs through cbgen.batch_invariant.token_logprobs.
     parity: bool = False
@@ -146,8 +150,10 @@ class ExecutionPlan:
         entries = [("parity", "batch-invariant", _PARITY_WHY)] if self.parity else []
         entries += [
             ("attention", self.attention, self.attention_why),
-            ("forward", self.forward, self.forward_why),
         ]
+        if self.attention == "cpu":
+            entries.append(("decode loops", self.decode_loops, self.decode_loops_why))
+        entries += [("forward", self.forward, self.forward_why)]
         if self.forward == "fused":
             entries += self._gemm_entries(per_class)
             c_step = ", ".join(c for c in ROW_CLASSES if c in self.c_step) or "none"
@@ -212,6 +218,7 @@ def resolve_plan(
         c_step, c_step_why = fused_forward.c_step_classes(model, gemms)
     greedy, greedy_why = _greedy_choice(device, dtype)
     sampled_rows, sampled_rows_why = _sampled_rows_choice(device)
+    loops, loops_why = _decode_loops(model, config, dtype, attention, head_dim, previous)
     return ExecutionPlan(
         model=type(model).__name__,
         device=device,
@@ -234,6 +241,8 @@ def resolve_plan(
         config=dataclasses.replace(config),
         head_dim=head_dim,
         gemm_shapes=shapes,
+        decode_loops=loops,
+        decode_loops_why=loops_why,
     )
 
 
@@ -385,6 +394,28 @@ def _gemms(
     ):
         return previous.gemms, shapes
     return fused_forward.choose_gemms(model, prepack), shapes
+
+
+def _decode_loops(
+    model: nn.Module,
+    config: EngineConfig,
+    dtype: torch.dtype,
+    attention: str,
+    head_dim: int,
+    previous: ExecutionPlan | None,
+) -> tuple[str, str]:
+    """The C decode kernel's loops (measured once per machine and geometry; see decode_loops.py)."""
+    if attention != "cpu":
+        return "widest", ""
+    if previous is not None and previous.attention == "cpu" and previous.dtype == dtype:
+        return previous.decode_loops, previous.decode_loops_why
+    text = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    kv_heads = KVGeometry.from_model(model, dtype).num_kv_heads
+    heads = kv_heads * (
+        int(text.num_attention_heads)
+        // int(getattr(text, "num_key_value_heads", None) or text.num_attention_heads)
+    )
+    return decode_loops.choose(dtype, heads, kv_heads, head_dim, config.block_size)
 
 
 def _greedy_choice(device: torch.device, dtype: torch.dtype) -> tuple[str, str]:

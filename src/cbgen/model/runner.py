@@ -20,6 +20,7 @@ from cbgen.batch_invariant.dispatch import ParityOps
 from cbgen.batch_invariant.packs import WeightPacks
 from cbgen.model import attention
 from cbgen.model.backends import make_backend
+from cbgen.model.cpu_fast import decode_loops
 from cbgen.model.cpu_fast.fused_forward import FusedDecoder
 from cbgen.model.cpu_fast.qualify import StructureWatch
 from cbgen.model.graphs import StaticDecodeRunner
@@ -85,7 +86,9 @@ class ModelRunner:
         self.device = plan.device
         self.attn_name = attention.register()
         self._configs = attention.attention_configs(model)
-        self.attn_backend = backend = make_backend(plan.attention, plan.device)
+        self.attn_backend = backend = make_backend(
+            plan.attention, plan.device, decode_loops.IMPLS[plan.decode_loops]
+        )
         backend.check_geometry(kv_cache.block_size, kv_cache.geometry.head_dim)
         self.compiled = plan.compile
         self.static: StaticDecodeRunner | None = None

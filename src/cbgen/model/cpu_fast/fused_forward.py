@@ -403,6 +403,7 @@ class FusedDecoder:
                     seq_lens,
                     slots,
                     *dims,
+                    attn_impl=backend.decode_impl,
                 )
                 return linear(x.index_select(0, rows), mods.lm_head, False)
         x = torch.empty_like(hidden)

@@ -272,7 +272,8 @@ def _timing_layers(layers: Sequence[Sequence[torch.Tensor]]) -> list[Sequence[to
     return list(layers[: timing_layer_count(per_layer, len(layers))])
 
 
-def _cpu_key() -> str:
+def cpu_key() -> str:
+    """The machine as measurements key it: architecture, CPU model and flags, torch threads."""
     try:
         with open("/proc/cpuinfo") as f:
             lines = f.read().splitlines()
@@ -286,15 +287,20 @@ def _cpu_key() -> str:
 def cache_key(dtype: torch.dtype, shapes: Sequence[tuple[int, int]]) -> str:
     """Identifies a measurement: CPU model and flags, torch version and threads, dtype, shapes, rows."""
     text = (
-        f"v{_MEASUREMENT_VERSION}|{_cpu_key()}|torch={torch.__version__}|{dtype}|{sorted(set(shapes))}|"
+        f"v{_MEASUREMENT_VERSION}|{cpu_key()}|torch={torch.__version__}|{dtype}|{sorted(set(shapes))}|"
         f"{SINGLE_ROWS},{DECODE_ROWS},{PREFILL_ROWS}"
     )
     return hashlib.sha256(text.encode()).hexdigest()[:24]
 
 
-def _cache_path() -> Path:
+def choice_dir() -> Path:
+    """Where measured choices are cached (the kernel build directory)."""
     root = envs.get("CBGEN_KERNEL_DIR")
-    return (Path(root) if root else Path.home() / ".cache" / "cbgen" / "kernels") / "gemm-choice.json"
+    return Path(root) if root else Path.home() / ".cache" / "cbgen" / "kernels"
+
+
+def _cache_path() -> Path:
+    return choice_dir() / "gemm-choice.json"
 
 
 def _override(found: dict[str, Candidate]) -> GemmPlan | None:
@@ -334,7 +340,7 @@ def choose(
         return forced
     key = cache_key(dtype, shapes)
     path = cache_path or _cache_path()
-    stored = _read(path)
+    stored = read_cache(path)
     entry = stored.get(key)
     # A cached answer stands only if it timed every candidate found now: a build that gained a
     # candidate (a new kernel) measures again.
@@ -372,8 +378,8 @@ def choose(
         timings[row_class] = best
         usable = {n: t for n, t in timings[row_class].items() if t is not None}
         winners[row_class] = min(usable, key=usable.get)
-    stored[key] = {**winners, "timings": timings, "cpu": _cpu_key().split("|")[1], "dtype": str(dtype)}
-    _write(path, stored)
+    stored[key] = {**winners, "timings": timings, "cpu": cpu_key().split("|")[1], "dtype": str(dtype)}
+    write_cache(path, stored)
     log.info(
         "cbgen: projection GEMMs measured here: single %s, decode %s, prefill %s (%s)",
         *winners.values(),
@@ -384,18 +390,20 @@ def choose(
     )
 
 
-def _read(path: Path) -> dict:
+def read_cache(path: Path) -> dict:
+    """A cache file of measured choices (empty when missing or unreadable)."""
     try:
         return json.loads(path.read_text())
     except (OSError, ValueError):
         return {}
 
 
-def _write(path: Path, data: dict) -> None:
+def write_cache(path: Path, data: dict) -> None:
+    """Replaces a cache file of measured choices atomically; a read-only home only logs."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(f".{time.time_ns()}.tmp")
         tmp.write_text(json.dumps(data, indent=1))
         tmp.replace(path)  # atomic: concurrent engines never read half a file
     except OSError as exc:  # a read-only home: measure again next time
-        log.warning("cbgen: could not cache the GEMM choice in %s: %s", path, exc)
+        log.warning("cbgen: could not cache a measured choice in %s: %s", path, exc)

@@ -93,11 +93,13 @@ def decoder_step(
     intermediate: int,
     block_size: int,
     num_blocks: int,
+    attn_impl: int = 0,
 ) -> torch.Tensor:
     """Runs every decoder layer of a decode step in C (``csrc/cpu_decoder.c``) over the residual
     stream ``hidden [T, E]`` (float32 or bf16, updated in place) and returns the final norm's output
     ``[T, E]``.  ``words`` / ``floats`` describe the layers (:meth:`DecoderLayout.records`), whose
-    weight pointers are packed for ``gemm`` (a key of :data:`GEMMS`)."""
+    weight pointers are packed for ``gemm`` (a key of :data:`GEMMS`).  ``attn_impl``: the decode
+    attention loops (:func:`cbgen.model.kernels.cpu.ops.decode_direct`'s ``impl``)."""
     if gemm not in GEMMS:
         raise ValueError(f"decoder_step: gemm {gemm!r} is not one of {sorted(GEMMS)}")
     tokens, width = hidden.shape
@@ -139,6 +141,7 @@ def decoder_step(
         num_blocks,
         _DTYPES[hidden.dtype],
         GEMMS[gemm],
+        int(attn_impl),
     )
     if rc:
         layer, stage = divmod(rc - 1, 16)

@@ -10,7 +10,8 @@
  * dtype: 0 = float32, 1 = bfloat16 (activations, norms, biases, KV cache).  gemm: which kernel runs
  * the projections and so what the weight pointers point to: 0 = AMX (bf16 only; amx_pack layouts,
  * csrc/cpu_gemm.c), 1 = the panel GEMM on float32 panels, 2 = the panel GEMM on bf16 panels
- * (cbgen_panel_pack layouts, csrc/cpu_panel.c).
+ * (cbgen_panel_pack layouts, csrc/cpu_panel.c).  attn_impl: the decode attention loops
+ * (cbgen_paged_decode's impl: the engine's measured choice).
  *
  * Layer records (fused_decode.py builds them): LAYER_WORDS int64 words and LAYER_FLOATS floats each,
  * indexed by the enums below.  Biases may be 0.
@@ -86,8 +87,10 @@ int cbgen_decoder_step(const int64_t *layers, const float *floats, int n_layers,
                        float first_eps, void *hidden, void *x, void *qkv, void *attn, void *gate_up, void *act,
                        void *delta, const void *cos, const void *sin, const int32_t *table, int64_t table_stride,
                        int64_t table_width, const int32_t *seq_lens, const int64_t *slots, int64_t T, int64_t E, int H,
-                       int Hkv, int D, int64_t I, int block_size, int64_t num_blocks, int dtype, int gemm) {
+                       int Hkv, int D, int64_t I, int block_size, int64_t num_blocks, int dtype, int gemm,
+                       int attn_impl) {
     if (dtype < 0 || dtype > 1 || gemm < 0 || gemm > 2 || (gemm == 0 && dtype != 1)) return 1;
+    if (attn_impl < 0 || attn_impl > 2) return 1;
     const int64_t qd = (int64_t)H * D, kd = (int64_t)Hkv * D, nqkv = qd + 2 * kd;
     const int esize = dtype == 0 ? 4 : 2;
     char *const q = (char *)qkv, *const k = q + qd * esize, *const v = k + kd * esize;
@@ -103,7 +106,7 @@ int cbgen_decoder_step(const int64_t *layers, const float *floats, int n_layers,
                               num_blocks * block_size));
         TRY(4, cbgen_paged_decode(q, nqkv, PTR(w[K_CACHE]), PTR(w[V_CACHE]), table, table_stride, table_width,
                                   seq_lens, attn, T, H, Hkv, D, block_size, num_blocks, f[SCALE], w[WINDOW], 0.0f,
-                                  dtype, 0));
+                                  dtype, attn_impl));
         TRY(5, project(attn, qd, w[W_O], w[B_O], delta, E, T, E, qd, dtype, gemm));
         TRY(6, cbgen_add_rmsnorm(hidden, delta, PTR(w[POST_NORM]), x, T, E, E, E, E, f[POST_EPS], dtype));
         TRY(7, project(x, E, w[W_GATE_UP], w[B_GATE_UP], gate_up, 2 * I, T, 2 * I, E, dtype, gemm));
