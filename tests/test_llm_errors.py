@@ -68,3 +68,26 @@ def test_request_outgrowing_cache_fails_with_reason_not_hang():
         assert out.outputs[0].finish_reason == "error"
         assert "KV blocks" in out.error
     assert small.engine.block_manager.num_used_blocks == 0
+
+
+def test_vllm_prompt_dicts_are_taken_and_checked(llm):
+    """vLLM's ``{"prompt_token_ids": ids}`` (and ``{"prompt": text}`` with a tokenizer) run like the
+    plain forms; other keys and malformed dicts are refused by name, before anything runs."""
+    ids = make_prompts(2)
+    params = SamplingParams(max_tokens=4, temperature=0)
+    plain = llm.generate(ids, params, use_tqdm=False)
+    as_dicts = llm.generate([{"prompt_token_ids": p} for p in ids], params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in as_dicts] == [o.outputs[0].token_ids for o in plain]
+    one = llm.generate({"prompt_token_ids": ids[0]}, params, use_tqdm=False)
+    assert len(one) == 1 and one[0].outputs[0].token_ids == plain[0].outputs[0].token_ids
+    for bad, message in [
+        ({"prompt_token_ids": ids[0], "multi_modal_data": {}}, "multi_modal_data"),
+        ({}, "exactly one"),
+        ({"prompt": "hi", "prompt_token_ids": ids[0]}, "exactly one"),
+        ({"prompt": 5}, "must be a string"),
+        ({"prompt": "hi"}, "need a tokenizer"),  # this LLM has none
+        ({"prompt_token_ids": [5, "x"]}, "not an integer"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            llm.generate([ids[1], bad], params, use_tqdm=False)
+    assert not llm.engine.groups

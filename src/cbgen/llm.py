@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -18,7 +18,9 @@ from cbgen.sampling_params import SamplingParams
 
 logger = logging.getLogger("cbgen")
 
-PromptType = str | Sequence[int]
+# A string, token ids, or vLLM's prompt dicts: {"prompt": text} or {"prompt_token_ids": ids}.
+PromptType = str | Sequence[int] | Mapping[str, Any]
+_PROMPT_KEYS = ("prompt", "prompt_token_ids")
 
 
 class LLM:
@@ -91,6 +93,19 @@ class LLM:
             if self.tokenizer is None:
                 raise ValueError("string prompts need a tokenizer; pass token ids or LLM(model, tokenizer)")
             return self.tokenizer.encode(prompt, add_special_tokens=True), prompt
+        if isinstance(prompt, Mapping):
+            unknown = sorted(str(k) for k in prompt if k not in _PROMPT_KEYS)
+            if unknown:
+                raise ValueError(
+                    f"prompt dict keys {unknown} are not supported (only 'prompt' or 'prompt_token_ids')"
+                )
+            if ("prompt" in prompt) == ("prompt_token_ids" in prompt):
+                raise ValueError("a prompt dict needs exactly one of 'prompt' and 'prompt_token_ids'")
+            if "prompt" in prompt:
+                if not isinstance(prompt["prompt"], str):
+                    raise ValueError(f"'prompt' must be a string, got {type(prompt['prompt']).__name__}")
+                return self._encode(prompt["prompt"])
+            return as_token_ids(prompt["prompt_token_ids"]), None
         return as_token_ids(prompt), None
 
     @staticmethod
@@ -114,9 +129,10 @@ class LLM:
         """Generates for every prompt; returns outputs in input order.
 
         Prompts are strings (tokenised as they are; the chat template is not applied, see
-        :meth:`chat`) or token-id lists.  Invalid input raises ``ValueError`` before anything runs.
+        :meth:`chat`), token-id lists, or vLLM's prompt dicts (``{"prompt": text}``,
+        ``{"prompt_token_ids": ids}``).  Invalid input raises ``ValueError`` before anything runs.
         """
-        if isinstance(prompts, str) or (
+        if isinstance(prompts, (str, Mapping)) or (
             isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], int)
         ):
             prompts = [prompts]
