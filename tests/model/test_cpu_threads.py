@@ -97,8 +97,19 @@ def test_governor_drops_at_once_and_raises_after_agreeing_windows() -> None:
         assert gov.step_threads(2) == 1
     m.advance(0.5)
     assert gov.step_threads(2) == 2
-    # The user lowering the count is obeyed at once, whatever the governor thinks.
-    assert gov.step_threads(1) == 1
+    assert gov.step_threads(1) == 1  # the user's own lower count is obeyed at once
+
+
+def test_governor_follows_the_users_count_under_the_held_load() -> None:
+    """The governor holds to a load, not a count: a user who raises torch's threads between steps
+    gets them at once, less the cores the neighbour holds."""
+    m = FakeMachine()
+    gov = ThreadGovernor(interval_s=0.5, cpus=[0, 1, 2, 3], sample=m.sample, clock=lambda: m.now)
+    m.others = 2.0
+    m.advance(0.6)
+    assert gov.step_threads(2) == 2  # two free cores: nothing to give up
+    assert gov.step_threads(4) == 2  # four asked for, two cores held by the neighbour
+    assert gov.step_threads(3) == 2
 
 
 def test_governor_reads_the_counters_once_per_interval() -> None:

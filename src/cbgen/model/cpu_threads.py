@@ -119,7 +119,10 @@ class ThreadGovernor:
         self._last = self._sample() if self.cpus else None
         self.enabled = self._last is not None
         self.taken = 0.0  # cores held by others in the last window, for stats and logs
-        self._want = 0  # 0: no limit yet
+        # The load the current count answers to: the latest sample's when it asked for fewer threads,
+        # an older one until RAISE_AFTER samples in a row ask for more.  Kept as a load, not a count,
+        # so a user who changes torch's thread count is followed at once.
+        self._held = 0.0
         self._agree = 0
 
     def step_threads(self, configured: int) -> int:
@@ -133,28 +136,27 @@ class ThreadGovernor:
                 return configured
             self.taken = cores_taken(self._last, now)
             self._last = now
-            before = self._want or configured
-            self._update(threads_for(configured, len(self.cpus), self.taken))
-            if self._want and self._want != before:
+            before = threads_for(configured, len(self.cpus), self._held)
+            self._update(configured)
+            after = threads_for(configured, len(self.cpus), self._held)
+            if after != before:
                 log.info(
                     "cbgen: other processes keep %.1f of %d cores busy: CPU steps run on %d of %d threads",
                     self.taken,
                     len(self.cpus),
-                    min(configured, self._want),
+                    after,
                     configured,
                 )
-        return min(configured, self._want) if self._want else configured
+        return threads_for(configured, len(self.cpus), self._held)
 
-    def _update(self, want: int) -> None:
-        current = self._want or want
-        if want < current:
-            self._want, self._agree = want, 0
-        elif want > current:
+    def _update(self, configured: int) -> None:
+        held = threads_for(configured, len(self.cpus), self._held)
+        wanted = threads_for(configured, len(self.cpus), self.taken)
+        if wanted > held:
             self._agree += 1
-            if self._agree >= RAISE_AFTER:
-                self._want, self._agree = want, 0
-        else:
-            self._want, self._agree = want, 0
+            if self._agree < RAISE_AFTER:
+                return
+        self._held, self._agree = self.taken, 0
 
     @contextmanager
     def governed(self) -> Iterator[int]:
