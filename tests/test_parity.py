@@ -9,7 +9,6 @@ building blocks' invariance (tiled matmuls, whole-vector transcendentals, the bl
 
 from __future__ import annotations
 
-import contextlib
 import random
 from dataclasses import dataclass, field
 
@@ -27,6 +26,7 @@ from cbgen.batch_invariant.paged import chunk_groups
 from cbgen.model import plan as plan_module
 from cbgen.model import support
 from extras import require_extra
+from thread_helpers import AlternatingThreads
 from tiny_models import ARCHS, make_model, make_prompts, make_wide_model
 
 
@@ -293,19 +293,8 @@ def test_parity_holds_while_the_thread_count_changes(dtype: torch.dtype) -> None
         model = make_wide_model("llama", dtype=dtype)
         llm = LLM(model, block_size=8, max_num_batched_tokens=40, batch_invariant=True)
         engine = llm.engine
-        seen: list[int] = []
-
-        @contextlib.contextmanager
-        def alternating():
-            n = 1 + len(seen) % 2
-            seen.append(n)
-            torch.set_num_threads(n)
-            try:
-                yield n
-            finally:
-                torch.set_num_threads(2)
-
-        engine.threads.governed = alternating
+        engine.threads = AlternatingThreads()
+        seen = engine.threads.seen
         rng = random.Random(3)
         samples = run_workload(llm, _workload_prompts(rng, 10, model.config.vocab_size), 3)
         assert set(seen) == {1, 2}

@@ -20,6 +20,7 @@ from cbgen.model.cpu_threads import (
     threads_for,
 )
 from oracle import compare, hf_greedy
+from thread_helpers import AlternatingThreads
 from tiny_models import make_prompts, make_wide_model
 
 
@@ -170,31 +171,6 @@ def test_read_proc_stat(tmp_path) -> None:
     assert cpu_threads.read_proc_stat([0], str(tmp_path / "missing")) is None
 
 
-class Alternating:
-    """Stands in for the governor: steps alternate between 1 and 2 threads."""
-
-    def __init__(self) -> None:
-        self.gov = ThreadGovernor(enabled=False)
-        self.seen: list[int] = []
-
-    def governed(self):
-        n = 1 + len(self.seen) % 2
-        self.seen.append(n)
-        torch.set_num_threads(n)
-        return _restore(n)
-
-
-class _restore:
-    def __init__(self, n: int) -> None:
-        self.n = n
-
-    def __enter__(self) -> int:
-        return self.n
-
-    def __exit__(self, *exc) -> None:
-        torch.set_num_threads(2)
-
-
 def test_engine_output_does_not_depend_on_the_thread_count() -> None:
     """Greedy output stays transformers' while the count changes every step, each step reports the
     count it ran on, and the user's count is back after every step."""
@@ -205,7 +181,7 @@ def test_engine_output_does_not_depend_on_the_thread_count() -> None:
         prompts = make_prompts(6, (5, 40), vocab=model.config.vocab_size, seed=5)
         llm = LLM(model, block_size=8, max_num_batched_tokens=48)
         engine = llm.engine
-        engine.threads = Alternating()
+        engine.threads = AlternatingThreads()
         ids = [engine.add_request(p, SamplingParams(max_tokens=10, temperature=0.0)) for p in prompts]
         got: dict[str, list[int]] = {}
         threads = []

@@ -3,7 +3,8 @@
 Every CPU kernel splits its work evenly over its threads and ends in a barrier.  When another process
 takes one of the cores, the thread on that core runs only in the time slices the kernel scheduler
 leaves it, and every barrier of every kernel waits for its next slice: one busy neighbour turned 37
-tok/s of single-stream decode into 1 tok/s on a 2-core Zen 4 (docs/design.md, "CPU threads").  Nice
+tok/s of single-stream decode into 1 tok/s on a 2-core AMD EPYC Zen 4 (family 25
+model 17, AVX-512; docs/design.md, "Threads that follow the load").  Nice
 levels do not prevent it: with autogroup scheduling a process of another session gets its fair share
 whatever its nice value.  With one thread fewer, every thread keeps a core.
 

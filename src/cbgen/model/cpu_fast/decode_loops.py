@@ -2,7 +2,8 @@
 
 The kernel has AVX-512 loops, 16 lanes with one query head at a time, and AVX2 loops, 8 lanes with
 the query heads of a GQA group sharing each key and value load and the next block's prefetch spread
-over the current block's work. The wider vector is not the faster one everywhere: on a Zen 4, which
+over the current block's work. The wider vector is not the faster one everywhere: on an AMD EPYC Zen 4 (family 25
+model 17, AVX-512 + AVX512-BF16, no AMX), which
 runs each AVX-512 instruction as two 256-bit halves, the AVX2 loops took 17-30% less time at every
 shape timed (1 row at 2k and 8k of context, 16 rows at 1k, 64 rows at 200, float32 and bfloat16; see
 docs/design.md). So where a build has both, the engine times them on the model's attention geometry

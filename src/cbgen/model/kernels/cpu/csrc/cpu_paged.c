@@ -537,7 +537,7 @@ static void decode_task_avx2_any(const void *q, int64_t qs, const void *kc, cons
 
 /* Which decode loops this build has: bit 0 the AVX-512 ones (what impl 0 runs where they exist), bit 1
  * the AVX2 ones (impl 2).  Which of them is faster is measured at engine start, not assumed: on a
- * Zen 4 the AVX2 loops ran 17-30% faster (decode_loops.py). */
+ * Zen 4 (AMD EPYC family 25 model 17, AVX-512, no AMX) the AVX2 loops ran 17-30% faster (decode_loops.py). */
 int cbgen_decode_loops(void) { return (CB_HAVE_FAST ? 1 : 0) | (CB_HAVE_AVX2 ? 2 : 0); }
 
 /* Whether every row's context fits its block-table row (table_width entries) and every block it
