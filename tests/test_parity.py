@@ -424,13 +424,13 @@ def test_direct_forward_falls_back_when_its_check_fails(monkeypatch, caplog) -> 
     """A direct forward that differs from the module forward by one ulp anywhere is refused at
     start: the engine says so and runs the module forward, whose results equal the trainer's."""
     model = make_wide_model("llama")
-    real = direct_forward._rmsnorm
+    real = direct_forward._norm
 
-    def off_by_one_ulp(x, norm):
-        out = real(x, norm)
+    def off_by_one_ulp(x, sq, norm):
+        out = real(x, sq, norm)
         return torch.nextafter(out, torch.full_like(out, float("inf")))
 
-    monkeypatch.setattr(direct_forward, "_rmsnorm", off_by_one_ulp)
+    monkeypatch.setattr(direct_forward, "_norm", off_by_one_ulp)
     with caplog.at_level("WARNING", logger="cbgen"):
         llm = LLM(model, num_blocks=64, batch_invariant=True)
     assert llm.engine.runner.direct_checked is False and llm.engine.plan.forward == "module"

@@ -15,7 +15,9 @@ half of the step).  This forward issues the ops that reach the same kernels dire
   mode's whole-vector form (:mod:`cbgen.batch_invariant.lanes`);
 * attention through the same paged attention function and parity backend;
 * RMSNorm, the rotary products and the residual adds as transformers' modules write them, in the
-  same dtypes (exact elementwise ops and last-dimension reductions over rows of the same length).
+  same dtypes: the elementwise chains as one exact C call each
+  (:mod:`cbgen.model.kernels.cpu.parity_rows`), RMSNorm's mean as torch's own last-dimension
+  reduction over rows of the same length.
 
 So its logits equal the module forward's bit for bit, hence the trainer side's.  That is checked,
 not assumed: at engine start :func:`self_check` runs two probe steps both ways and the runner falls
@@ -30,29 +32,35 @@ import torch
 from torch import nn
 
 from cbgen.batch_invariant.dispatch import ParityOps
-from cbgen.batch_invariant.lanes import lanewise
+from cbgen.batch_invariant.lanes import lanewise, lanewise_
 from cbgen.batch_invariant.packs import WeightPacks
 from cbgen.model.attention import AttentionMetadata, paged_attention_forward
 from cbgen.model.cpu_fast.fused_forward import LayerModules, ModelModules
 from cbgen.model.kernels.cpu.parity import parity_linear_packed, parity_pack
+from cbgen.model.kernels.cpu.parity_rows import add_square, mul, norm_apply, rope
 
 _SILU = torch.ops.aten.silu.default
+_SILU_ = torch.ops.aten.silu_.default
+
+
+def _norm(x: torch.Tensor, sq: torch.Tensor, norm: tuple[torch.Tensor, float]) -> torch.Tensor:
+    # LlamaRMSNorm's forward (and Mistral's, Qwen2's, Qwen3's) on x [T, N] given sq = x.float() ** 2:
+    # its one reduction, the sum inside the mean, is torch's own call; the rest is one exact C call.
+    weight, eps = norm
+    return norm_apply(x, sq.sum(-1), eps, weight)
+
+
+def _silu_mul(gate_up: torch.Tensor, inter: int) -> torch.Tensor:
+    # SwiGLU's act_fn(gate) * up: SiLU as the mode computes it (whole vectors), on a contiguous copy
+    # of the gate (in place, without lanewise's padding when its size allows), then one exact product.
+    gate = gate_up[:, :inter].contiguous()
+    if not lanewise_(_SILU_, gate):
+        gate = lanewise(_SILU, gate)
+    return mul(gate, gate_up[:, inter:], out=gate)
 
 
 def _rmsnorm(x: torch.Tensor, norm: tuple[torch.Tensor, float]) -> torch.Tensor:
-    # LlamaRMSNorm's forward (and Mistral's, Qwen2's, Qwen3's), op for op.
-    weight, eps = norm
-    dtype = x.dtype
-    h = x.to(torch.float32)
-    variance = h.pow(2).mean(-1, keepdim=True)
-    h = h * torch.rsqrt(variance + eps)
-    return weight * h.to(dtype)
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    # apply_rotary_pos_emb: x * cos + rotate_half(x) * sin, on [T, heads, D] with cos [T, 1, D].
-    half = x.shape[-1] // 2
-    return (x * cos) + (torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin)
+    return _norm(x, add_square(x)[1], norm)
 
 
 class ParityDirectForward:
@@ -117,11 +125,12 @@ class ParityDirectForward:
         tokens = hidden.shape[0]
         with ParityOps(self.packs):
             cos, sin = mods.rotary(hidden[None], positions[None])
-        cos, sin = cos[0][:, None, :], sin[0][:, None, :]
+        cos, sin = cos[0], sin[0]
+        # hidden.float() ** 2 travels with hidden: each residual add writes both in one pass.
+        hidden, sq = add_square(hidden)
         for layer in mods.layers:
             d = layer.head_dim
-            x = _rmsnorm(hidden, layer.in_norm)
-            qkv = self._linear(x, layer, 0)
+            qkv = self._linear(_norm(hidden, sq, layer.in_norm), layer, 0)
             nq = layer.qkv[0].weight.shape[0]
             nk = layer.qkv[1].weight.shape[0]
             q = qkv[:, :nq].view(tokens, -1, d)
@@ -129,9 +138,9 @@ class ParityDirectForward:
             v = qkv[:, nq + nk :].view(tokens, -1, d)
             if layer.qk_norms is not None:
                 # Over contiguous rows, as the module's norm sees its projection's fresh output.
-                q = _rmsnorm(q.contiguous(), layer.qk_norms[0])
-                k = _rmsnorm(k.contiguous(), layer.qk_norms[1])
-            q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+                q = _rmsnorm(q.reshape(-1, d), layer.qk_norms[0]).view(tokens, -1, d)
+                k = _rmsnorm(k.reshape(-1, d), layer.qk_norms[1]).view(tokens, -1, d)
+            q, k = rope(q, cos, sin), rope(k, cos, sin)
             attn = layer.attn
             out, _ = paged_attention_forward(
                 attn,
@@ -143,14 +152,12 @@ class ParityDirectForward:
                 sliding_window=layer.window or None,
                 cbgen_meta=meta,
             )
-            hidden = hidden + self._linear(out[0].reshape(tokens, -1).contiguous(), layer, 1)
-            x = _rmsnorm(hidden, layer.post_norm)
-            gate_up = self._linear(x, layer, 2)
+            hidden, sq = add_square(hidden, self._linear(out[0].reshape(tokens, -1).contiguous(), layer, 1))
+            gate_up = self._linear(_norm(hidden, sq, layer.post_norm), layer, 2)
             inter = layer.gate_up[0].weight.shape[0]
-            act = lanewise(_SILU, gate_up[:, :inter]) * gate_up[:, inter:]
-            hidden = hidden + self._linear(act, layer, 3)
+            hidden, sq = add_square(hidden, self._linear(_silu_mul(gate_up, inter), layer, 3))
         # The final norm is per row, so only the rows that are sampled need it.
-        x = _rmsnorm(hidden.index_select(0, rows), mods.next_norms[-1])
+        x = _norm(hidden.index_select(0, rows), sq.index_select(0, rows), mods.next_norms[-1])
         head = mods.lm_head.weight
         return parity_linear_packed(x, self.packs.get(head), head.shape[0])
 

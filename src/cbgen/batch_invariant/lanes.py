@@ -17,7 +17,8 @@ import torch
 # A multiple of twice the widest vector torch uses (AVX-512: 16 float32 lanes, 32 bfloat16), so no
 # element ever reaches the scalar tail of the vectorised loop.
 LANE_MULTIPLE = 64
-# Below torch's parallel grain (at::internal::GRAIN_SIZE, 32768): one thread, one chunk per call.
+# Below torch's parallel grain (at::internal::GRAIN_SIZE, 32768): one thread, one chunk per call.  A
+# multiple of LANE_MULTIPLE, so chunks of a tensor split at it start on whole vectors.
 CHUNK = 32768 - LANE_MULTIPLE
 
 
@@ -35,3 +36,17 @@ def lanewise(op: Callable[..., torch.Tensor], x: torch.Tensor, *args, **kwargs) 
     buf[:n] = x.reshape(-1)
     out = torch.cat([op(buf[i : i + CHUNK], *args, **kwargs) for i in range(0, padded, CHUNK)])
     return out[:n].view(x.shape)
+
+
+def lanewise_(op_: Callable[..., torch.Tensor], x: torch.Tensor) -> bool:
+    """Applies the in-place elementwise ``op_`` (``aten.silu_``) to a contiguous CPU ``x`` whose size
+    is a multiple of :data:`LANE_MULTIPLE`, each element by the vectorised kernel as in
+    :func:`lanewise` (chunks of whole vectors below the parallel grain), without :func:`lanewise`'s
+    padded copy and concatenation.  Returns False, touching nothing, for any other ``x``."""
+    n = x.numel()
+    if x.device.type != "cpu" or not x.is_floating_point() or not x.is_contiguous() or n % LANE_MULTIPLE:
+        return False
+    flat = x.view(-1)
+    for i in range(0, n, CHUNK):
+        op_(flat[i : i + CHUNK])
+    return True

@@ -30,6 +30,7 @@ import torch
 from cbgen.batch_invariant import paged as parity_paged
 from cbgen.model.attention import AttentionBackend, AttentionMetadata, VarlenPrefill
 from cbgen.model.kernels.cpu import ops as cpu_kernels
+from cbgen.model.kernels.reference import paged_ops
 
 __all__ = [
     "AttentionBackend",
@@ -60,6 +61,10 @@ class ParityBackend(AttentionBackend):
     context was computed, cached or batched."""
 
     name = "parity"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.store_kv = _parity_store
 
     def decode(
         self,
@@ -104,6 +109,24 @@ class ParityBackend(AttentionBackend):
         parity_paged.attend_chunks(
             q, k_cache, v_cache, chunks, table, scale, sliding_window, softcap, out, meta.derived
         )
+
+
+def _parity_store(
+    key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor
+) -> None:
+    # A store only copies, so which one runs changes no bit: the C store on the CPU (one call where
+    # the reference store filters padding slots and runs two index copies), the reference elsewhere.
+    if (
+        k_cache.device.type == "cpu"
+        and key.dtype == value.dtype == k_cache.dtype
+        and slots.dtype == torch.int64
+        and cpu_kernels.supports(key.dtype)
+        and cpu_kernels.available()
+    ):
+        tokens = key.shape[0]
+        cpu_kernels.store_direct(key.reshape(tokens, -1), value.reshape(tokens, -1), k_cache, v_cache, slots)
+        return
+    paged_ops.store_kv(key, value, k_cache, v_cache, slots)
 
 
 class KernelBackend(AttentionBackend):

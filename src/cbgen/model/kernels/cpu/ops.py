@@ -1,9 +1,10 @@
 """CPU kernels written in C, compiled on first use and called through ctypes.
 
 ``csrc/cpu_paged.c`` (paged decode attention, KV store), ``csrc/cpu_fused.c`` (residual add +
-RMSNorm, rotary embedding, SiLU-and-multiply for :mod:`cbgen.model.cpu_fast.fused_forward`) and
-``csrc/cpu_gemm.c`` (bf16 projections on AMX, where the CPU has it) and ``csrc/cpu_decoder.c`` (a
-whole bf16 decode step built from those) are compiled with the system C compiler (``$CC``, else ``cc``) into
+RMSNorm, rotary embedding, SiLU-and-multiply for :mod:`cbgen.model.cpu_fast.fused_forward`),
+``csrc/cpu_gemm.c`` (bf16 projections on AMX, where the CPU has it), ``csrc/cpu_parity*.c`` (parity
+mode's GEMM, attention and exact elementwise steps) and ``csrc/cpu_decoder.c`` (a whole bf16 decode
+step built from those) are compiled with the system C compiler (``$CC``, else ``cc``) into
 ``~/.cache/cbgen/kernels`` (``$CBGEN_KERNEL_DIR`` overrides), keyed by a hash of the source, the
 flags and this CPU's feature flags, because ``-march=native`` code must not run on another CPU.
 No compiler, or a failed build, leaves :func:`available` false and the torch reference in use,
@@ -46,6 +47,7 @@ _SOURCES = [
         "cpu_gemv.c",
         "cpu_panel.c",
         "cpu_parity.c",
+        "cpu_parity_rows.c",
     )
 ]
 _HEADERS = [_CSRC / "cbgen_numerics.h"]
@@ -163,6 +165,14 @@ def _build() -> ctypes.CDLL:
     lib.cbgen_parity_attention.argtypes += [ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, f32, i64, f32, i32]
     lib.cbgen_pairs_pack.argtypes = [ptr, i64, i64, i64, ptr, i64]
     lib.cbgen_pairs_gemm.argtypes = [ptr, i64, ptr, i64, ptr, i64, i64, i64, i64]
+    # h, its stride, o, its stride, out, its stride, sq, rows, n, dtype
+    lib.cbgen_parity_add_square.argtypes = [ptr, i64, ptr, i64, ptr, i64, ptr, i64, i64, i32]
+    # x, its stride, var, eps, weight, out, its stride, rows, n, dtype
+    lib.cbgen_parity_norm_apply.argtypes = [ptr, i64, ptr, f32, ptr, ptr, i64, i64, i64, i32]
+    # x, its row stride, heads, d, cos, sin, their row stride, out, its row stride, rows, dtype
+    lib.cbgen_parity_rope.argtypes = [ptr, i64, i64, i64, ptr, ptr, i64, ptr, i64, i64, i32]
+    # a, its stride, b, its stride, out, its stride, rows, n, dtype
+    lib.cbgen_parity_mul.argtypes = [ptr, i64, ptr, i64, ptr, i64, i64, i64, i32]
     lib.cbgen_decoder_layout.argtypes = [ctypes.POINTER(i64), ctypes.POINTER(i64)]
     lib.cbgen_decoder_layout.restype = ctypes.c_char_p
     for fn in (
@@ -179,6 +189,10 @@ def _build() -> ctypes.CDLL:
         lib.cbgen_parity_attention,
         lib.cbgen_pairs_pack,
         lib.cbgen_pairs_gemm,
+        lib.cbgen_parity_add_square,
+        lib.cbgen_parity_norm_apply,
+        lib.cbgen_parity_rope,
+        lib.cbgen_parity_mul,
     ):
         fn.restype = i32
     return lib
