@@ -4,10 +4,11 @@ new child, or here) when a child dies or cannot start."""
 from __future__ import annotations
 
 import json
+import sys
 
 import pytest
 
-from cbgen.server import json_child
+from cbgen.server import child_worker
 from cbgen.server.json_child import JsonChild, loads_here
 
 
@@ -23,7 +24,7 @@ def test_child_parses_like_json_loads(child):
     raw = json.dumps(body, ensure_ascii=False).encode()
     assert child.loads(raw) == body == loads_here(raw)
     assert child.loads(b"[1, 2.5, null]") == [1, 2.5, None]
-    assert child._proc is not None and child._proc.poll() is None  # it ran in the child
+    assert child.worker.process is not None and child.worker.process.poll() is None  # it ran in the child
 
 
 @pytest.mark.parametrize("raw", [b"{", b'{"a": NaN}', b'{"a": -Infinity}', b"[" * 100_000])
@@ -37,14 +38,14 @@ def test_child_refuses_what_json_refuses(child, raw):
 
 def test_a_dead_child_is_replaced_and_a_failing_one_abandoned(child, monkeypatch):
     assert child.loads(b'{"a": 1}') == {"a": 1}
-    first = child._proc
+    first = child.worker.process
     first.kill()
     first.wait()
     assert child.loads(b'{"a": 2}') == {"a": 2}  # answered here or by a new child, never lost
     assert child.loads(b'{"a": 3}') == {"a": 3}
-    assert child._proc is not None and child._proc is not first
+    assert child.worker.process is not None and child.worker.process is not first
     # A child that cannot start: parsed here from then on.
     child.close()
-    monkeypatch.setattr(json_child.sys, "executable", "/nonexistent/python")
+    monkeypatch.setattr(sys, "executable", "/nonexistent/python")
     assert child.loads(b'{"b": [1]}') == {"b": [1]}
-    assert child._proc is None and child._failures >= json_child._MAX_FAILURES
+    assert child.worker.process is None and child.worker.failures >= child_worker.MAX_FAILURES

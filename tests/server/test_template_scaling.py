@@ -124,7 +124,12 @@ def test_megabyte_bodies_of_tiny_messages_do_not_slow_small_requests(server):
         before = len(answered)
         loaded = [_chat_seconds(client) for _ in range(9)]
         loaded_padded = [_chat_seconds(client, **padded) for _ in range(5)]
-        assert len(answered) > before and all(t.is_alive() for t in flooders)
+        # Two flooders post back to back, so a body was in the server all along; one more answer
+        # shows the flood kept going through the window (the small requests may be over sooner).
+        while len(answered) == before:
+            assert time.monotonic() < deadline + 60 and all(t.is_alive() for t in flooders)
+            time.sleep(0.05)
+        assert all(t.is_alive() for t in flooders)
     finally:
         stop.set()
         for t in flooders:
@@ -138,9 +143,9 @@ def test_megabyte_bodies_of_tiny_messages_do_not_slow_small_requests(server):
         f"({ratio:.2f}x) beside {len(answered)} ~0.9 MB bodies of 26,000 messages (each refused in "
         f"{statistics.median(answered):.2f} s); a 66 KB body's request {padded_ratio:.1f}x"
     )
-    # Measured on the idle 2-core Zen 4 (2026-12-04): 4.0-4.5x for the small request and 4.2-5.3x
-    # for the 66 KB one (13-23x before large jobs shortened the GIL switch interval, ~490x before
-    # templating was linear).  The rest is the GIL the templating worker holds; the bound
-    # (1.5x) is not met.  15x: headroom for a loaded machine, still far below the old behaviour.
-    assert ratio < 15.0, f"{ratio:.2f}x"
-    assert padded_ratio < 15.0, f"66 KB request {padded_ratio:.2f}x"
+    # Measured on the idle 2-core Zen 4 (AMD EPYC family 25 model 17, 2026-12-04), four runs: the
+    # small request 0.86-1.01x and the 66 KB one 1.0-1.4x since large bodies are templated in a
+    # child process (4.0-4.5x and 4.2-5.3x when a worker thread here rendered them, holding the
+    # GIL; ~490x before templating was linear).  3x: headroom for a loaded machine.
+    assert ratio < 3.0, f"{ratio:.2f}x"
+    assert padded_ratio < 3.0, f"66 KB request {padded_ratio:.2f}x"

@@ -106,6 +106,10 @@ class APIError(Exception):
         self.param = None if param is None else printable(param, PARAM_CHARS)
         self.code = code
 
+    def __reduce__(self) -> tuple:
+        # Pickled (a child process's answer) as the fields already made safe, not escaped again.
+        return (_restore_api_error, (self.status, self.message, self.type, self.param, self.code))
+
     def body(self) -> dict[str, Any]:
         """The JSON error object."""
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
@@ -113,6 +117,14 @@ class APIError(Exception):
     def response(self) -> JSONResponse:
         """The error as a response."""
         return JSONResponse(self.body(), status_code=self.status)
+
+
+def _restore_api_error(
+    status: int, message: str, type_: str, param: str | None, code: str | None
+) -> APIError:
+    err = APIError(status, "", type_, None, code)
+    err.args, err.message, err.param = (message,), message, param
+    return err
 
 
 def bad_request(message: str, param: str | None = None) -> APIError:

@@ -10,39 +10,27 @@ large string.  Any trouble with the child (it cannot start, it dies) falls back 
 
 from __future__ import annotations
 
-import contextlib
 import json
-import pickle
-import struct
-import subprocess
-import sys
-import threading
-from typing import IO, Any
+from typing import Any
 
-# The child's whole program: length-prefixed bodies in, length-prefixed pickles out.  An error is
-# answered as ("err", message), with the message ``json.loads`` would give here.
-_CHILD = r"""
-import json, pickle, struct, sys
+from cbgen.server.child_worker import CHILD_LOOP, ChildWorker, python_argv
+
+# The child's whole program: bodies in, ("ok", value) or ("err", the message ``json.loads`` would
+# give here) out.
+_CHILD = (
+    CHILD_LOOP
+    + r"""
+import json
 def constant(name):
     raise ValueError(name + " is not valid JSON")
-src, dst = sys.stdin.buffer, sys.stdout.buffer
-while True:
-    head = src.read(8)
-    if len(head) < 8:
-        break
-    raw = src.read(struct.unpack("<Q", head)[0])
+def handle(raw):
     try:
-        out = ("ok", json.loads(raw, parse_constant=constant))
+        return ("ok", json.loads(raw, parse_constant=constant))
     except (ValueError, RecursionError) as exc:
-        out = ("err", str(exc))
-    blob = pickle.dumps(out, protocol=5)
-    dst.write(struct.pack("<Q", len(blob)))
-    dst.write(blob)
-    dst.flush()
+        return ("err", str(exc))
+serve(handle)
 """
-
-
-_MAX_FAILURES = 3
+)
 
 
 def _constant(name: str) -> Any:
@@ -58,15 +46,12 @@ class JsonChild:
     """One child process parsing JSON for this process's threads, one body at a time."""
 
     def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._proc: subprocess.Popen | None = None
-        self._failures = 0
+        self.worker = ChildWorker(lambda: python_argv(_CHILD))
 
     def loads(self, raw: bytes) -> Any:
         """``raw`` parsed (NaN and Infinity refused); ``ValueError`` with ``json``'s message if it is
         not JSON.  Parsed here when the child is unavailable."""
-        with self._lock:
-            answer = self._ask(raw)
+        answer = self.worker.ask(raw)
         if answer is None:
             return loads_here(raw)
         status, value = answer
@@ -74,63 +59,9 @@ class JsonChild:
             raise ValueError(value)
         return value
 
-    def _ask(self, raw: bytes) -> tuple[str, Any] | None:
-        proc = self._running()
-        if proc is None:
-            return None
-        try:
-            stdin, stdout = proc.stdin, proc.stdout
-            assert stdin is not None and stdout is not None
-            stdin.write(struct.pack("<Q", len(raw)))
-            stdin.write(raw)
-            stdin.flush()
-            size = struct.unpack("<Q", _read_exactly(stdout, 8))[0]
-            return pickle.loads(_read_exactly(stdout, size))
-        except (OSError, EOFError, struct.error, pickle.UnpicklingError):
-            self._stop()  # the next body starts a fresh child...
-            self._failures += 1
-            return None
-
-    def _running(self) -> subprocess.Popen | None:
-        if self._proc is not None and self._proc.poll() is None:
-            return self._proc
-        if self._failures >= _MAX_FAILURES:  # ...unless children keep dying: parse here from now on
-            return None
-        try:
-            self._proc = subprocess.Popen(
-                [sys.executable, "-I", "-c", _CHILD],
-                stdin=subprocess.PIPE,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.DEVNULL,
-            )
-        except OSError:  # e.g. no interpreter to start
-            self._failures = _MAX_FAILURES
-            return None
-        return self._proc
-
-    def _stop(self) -> None:
-        if self._proc is not None:
-            with contextlib.suppress(OSError):
-                self._proc.kill()
-            with contextlib.suppress(OSError, subprocess.TimeoutExpired):
-                self._proc.wait(5)
-            for pipe in (self._proc.stdin, self._proc.stdout):
-                with contextlib.suppress(OSError):
-                    if pipe is not None:
-                        pipe.close()
-        self._proc = None
-
     def close(self) -> None:
-        """Stops the child (it also exits by itself when this process's end of its pipe closes)."""
-        with self._lock:
-            self._stop()
-
-
-def _read_exactly(stream: IO[bytes], size: int) -> bytes:
-    data = stream.read(size)
-    if len(data) != size:
-        raise EOFError("the JSON child process closed its pipe")
-    return data
+        """Stops the child."""
+        self.worker.close()
 
 
 __all__ = ["JsonChild", "loads_here"]

@@ -18,6 +18,7 @@ from cbgen.sampling_params import SamplingParams
 from cbgen.server.errors import APIError, bad_request, sampling_param_of
 from cbgen.server.json_child import JsonChild
 from cbgen.server.metrics import ServerMetrics
+from cbgen.server.template_child import TemplateChild
 
 T = TypeVar("T")
 
@@ -88,6 +89,7 @@ class ServerState:
         self._token_text: dict[int, str] = {}
         self._workers: dict[bool, ThreadPoolExecutor] = {}
         self.json_child = JsonChild()  # started by the first large body
+        self.template_child = TemplateChild(self)  # started by the first large chat body
 
     async def off_loop(self, fn: Callable[[], T], large: bool = False) -> T:
         """Runs ``fn`` (heavy parsing, templating, rendering) on a worker thread: one of two for
@@ -103,10 +105,11 @@ class ServerState:
         return await asyncio.get_running_loop().run_in_executor(pool, _short_gil_turns(fn) if large else fn)
 
     def close(self) -> None:
-        """Stops the worker threads and the JSON child process."""
+        """Stops the worker threads and the child processes."""
         for pool in self._workers.values():
             pool.shutdown(wait=False, cancel_futures=True)
         self.json_child.close()
+        self.template_child.close()
 
     def submit(
         self,

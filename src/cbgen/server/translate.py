@@ -21,8 +21,9 @@ from cbgen.server.errors import APIError, bad_request, quote, sampling_param_of,
 from cbgen.server.json_child import loads_here
 from cbgen.server.prompts import chat_prompt, check_prompt, completion_prompts
 from cbgen.server.schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
-from cbgen.server.state import OFFLOAD_BYTES, ServerLimits, ServerState
+from cbgen.server.state import LARGE_BYTES, OFFLOAD_BYTES, ServerLimits, ServerState
 from cbgen.server.structured import structured_kwargs
+from cbgen.server.template_child import Templated
 from cbgen.server.tools import ToolPlan, tool_plan
 
 
@@ -291,8 +292,11 @@ def plan_completion(state: ServerState, req: CompletionRequest) -> GenerationPla
     return plan
 
 
-def plan_chat(state: ServerState, req: ChatCompletionRequest) -> GenerationPlan:
-    """``POST /v1/chat/completions``: the templated conversation as one prompt."""
+def plan_chat(
+    state: ServerState, req: ChatCompletionRequest, templated: Templated | None = None
+) -> GenerationPlan:
+    """``POST /v1/chat/completions``: the templated conversation as one prompt (``templated``: the
+    template child's answer for a large body, whose prompt or error stands in for templating here)."""
     check_model(state, req.model)
     if req.top_logprobs is not None:
         if not req.logprobs:
@@ -302,7 +306,9 @@ def plan_chat(state: ServerState, req: ChatCompletionRequest) -> GenerationPlan:
                 f"top_logprobs must be between 0 and {state.max_logprobs}", param="top_logprobs"
             )
     include_usage = check_stream_options(req)
-    ids = chat_prompt(state, req)
+    ids = templated.prompt() if templated is not None else None
+    if ids is None:
+        ids = chat_prompt(state, req)
     check_prompt(state, ids)
     requested, name = (req.max_completion_tokens, "max_completion_tokens")
     if requested is None:
@@ -364,7 +370,12 @@ def check_size(state: ServerState, plan: GenerationPlan) -> None:
 def plan_request(state: ServerState, chat: bool, raw: bytes) -> GenerationPlan:
     """The plan of a raw request body: JSON, schema, tokenisation, chat template and limits (CPU work
     that runs on a worker thread when the body is large)."""
-    obj = parse_json(raw, state.json_child.loads if len(raw) >= OFFLOAD_BYTES else loads_here)
+    templated = state.template_child.template(raw) if chat and len(raw) >= LARGE_BYTES else None
+    if templated is not None:
+        loads = templated.loads
+    else:
+        loads = state.json_child.loads if len(raw) >= OFFLOAD_BYTES else loads_here
+    obj = parse_json(raw, loads)
     if chat:
-        return plan_chat(state, parse_body(ChatCompletionRequest, obj))
+        return plan_chat(state, parse_body(ChatCompletionRequest, obj), templated)
     return plan_completion(state, parse_body(CompletionRequest, obj))
