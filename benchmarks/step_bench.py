@@ -77,14 +77,18 @@ def main() -> None:
                 t = time.perf_counter()
                 llm.engine.step()
                 total = time.perf_counter() - t
-                steps.append({**llm.engine.last_step.times, "total": total, "threads": llm.engine.last_step.threads})
+                steps.append(
+                    {**llm.engine.last_step.times, "total": total, "threads": llm.engine.last_step.threads}
+                )
             if profiler:
                 profiler.__exit__(None, None, None)
                 print(profiler.key_averages().table(sort_by="self_cpu_time_total", row_limit=18))
             results[variant].append({k: statistics.median(s[k] for s in steps) for k in steps[0]})
             del llm
     print(f"\nSmolLM2 {args.dtype}, {args.batch} sequences decoding, median ms/step over rounds")
-    print(f"{'variant':12s} {'total':>8s} {'forward':>8s} {'sample':>8s} {'other':>8s} {'tok/s':>8s} {'threads':>8s}")
+    print(
+        f"{'variant':12s} {'total':>8s} {'forward':>8s} {'sample':>8s} {'other':>8s} {'tok/s':>8s} {'threads':>8s}"
+    )
     for variant, rounds in results.items():
         med = {k: statistics.median(r[k] for r in rounds) * 1e3 for k in rounds[0] if k != "threads"}
         other = med["total"] - med["forward"] - med["sample"]
