@@ -360,53 +360,47 @@ int cbgen_parity_attention(const void *q, int64_t q_row_stride, int64_t q_head_s
                 const int64_t base = row_table[b] * kv_block;
                 for (; slot < block_size && j < n; ++slot, ++j) offs[j] = base + slot * kv_slot;
             }
-            /* Bytes of one key's (or value's) row across the task's kv heads. */
-            const int64_t row_bytes = ((heads_per_task - 1) * kv_head + D) * esize, head_bytes = D * esize;
-            (void)row_bytes;
-            for (int64_t j0 = 0; j0 < n; j0 += CHUNK_KEYS) {
-                const int64_t j1 = j0 + CHUNK_KEYS < n ? j0 + CHUNK_KEYS : n;
-                for (int64_t kh = kh0; kh < kh0 + heads_per_task; ++kh)
-                    for (int64_t r0 = 0; r0 < group; r0 += NH_MAX) {
-                        const int nh = group - r0 < NH_MAX ? (int)(group - r0) : NH_MAX;
-                        const int64_t i0 = (kh - kh0) * group + r0;
-                        float *sc[NH_MAX];
-                        const float *qf[NH_MAX];
-                        for (int r = 0; r < nh; ++r) sc[r] = buf + (i0 + r) * per_head, qf[r] = sc[r] + longest;
-                        const char *kbase = (const char *)k + kh * kv_head * esize;
-                        score_pass(sc, qf, kbase, offs, j0, j1, D8, esize, nh, dtype, n, r0 == 0 ? head_bytes : 0);
-                    }
-            }
+            /* Pass 0: the scores, chunk by chunk; then each head's scale, soft cap and normaliser;
+             * pass 1: the weighted values, chunk by chunk. */
             float norms[nq];
-            for (int64_t i = 0; i < nq; ++i) {
-                float *sc = buf + i * per_head;
-                const float *qf = sc + longest;
-                const char *kbase = (const char *)k + (kh0 + i / group) * kv_head * esize;
-                for (int64_t j = 0; j < n; ++j) {
-                    const char *kp = kbase + offs[j] * esize;
-                    float sv = sc[j];
-                    for (int64_t d = D8; d < D; ++d) sv = fmaf(qf[d], load1(kp, d, dtype), sv);
-                    sv *= scale;
-                    if (softcap > 0.0f) sv = softcap * tanhf(sv / softcap);
-                    sc[j] = sv;
-                }
-                norms[i] = exp_and_sum(sc, n);
-            }
-            for (int64_t j0 = 0; j0 < n; j0 += CHUNK_KEYS) {
-                const int64_t j1 = j0 + CHUNK_KEYS < n ? j0 + CHUNK_KEYS : n;
-                for (int64_t kh = kh0; kh < kh0 + heads_per_task; ++kh)
-                    for (int64_t r0 = 0; r0 < group; r0 += NH_MAX) {
-                        const int nh = group - r0 < NH_MAX ? (int)(group - r0) : NH_MAX;
-                        const int64_t i0 = (kh - kh0) * group + r0;
-                        float *acc[NH_MAX];
-                        const float *e[NH_MAX];
-                        for (int r = 0; r < nh; ++r) {
-                            float *head = buf + (i0 + r) * per_head;
-                            e[r] = head + j0, acc[r] = head + longest + D;
+            for (int pass = 0; pass < 2; ++pass) {
+                if (pass == 1)
+                    for (int64_t i = 0; i < nq; ++i) {
+                        float *sc = buf + i * per_head;
+                        const float *qf = sc + longest;
+                        const char *kbase = (const char *)k + (kh0 + i / group) * kv_head * esize;
+                        for (int64_t j = 0; j < n; ++j) {
+                            const char *kp = kbase + offs[j] * esize;
+                            float sv = sc[j];
+                            for (int64_t d = D8; d < D; ++d) sv = fmaf(qf[d], load1(kp, d, dtype), sv);
+                            sv *= scale;
+                            if (softcap > 0.0f) sv = softcap * tanhf(sv / softcap);
+                            sc[j] = sv;
                         }
-                        const char *vbase = (const char *)v + kh * kv_head * esize;
-                        value_pass(acc, e, vbase, offs + j0, j1 - j0, D8, esize, nh, dtype, n - j0,
-                                   r0 == 0 ? head_bytes : 0);
+                        norms[i] = exp_and_sum(sc, n);
                     }
+                for (int64_t j0 = 0; j0 < n; j0 += CHUNK_KEYS) {
+                    const int64_t j1 = j0 + CHUNK_KEYS < n ? j0 + CHUNK_KEYS : n;
+                    for (int64_t kh = kh0; kh < kh0 + heads_per_task; ++kh)
+                        for (int64_t r0 = 0; r0 < group; r0 += NH_MAX) {
+                            const int nh = group - r0 < NH_MAX ? (int)(group - r0) : NH_MAX;
+                            const int64_t pf_bytes = r0 == 0 ? D * esize : 0; /* the kv head's own lines */
+                            float *head[NH_MAX];
+                            for (int r = 0; r < nh; ++r) head[r] = buf + ((kh - kh0) * group + r0 + r) * per_head;
+                            if (pass == 0) {
+                                const float *qf[NH_MAX];
+                                for (int r = 0; r < nh; ++r) qf[r] = head[r] + longest;
+                                score_pass(head, qf, (const char *)k + kh * kv_head * esize, offs, j0, j1, D8, esize,
+                                           nh, dtype, n, pf_bytes);
+                            } else {
+                                float *acc[NH_MAX];
+                                const float *e[NH_MAX];
+                                for (int r = 0; r < nh; ++r) e[r] = head[r] + j0, acc[r] = head[r] + longest + D;
+                                value_pass(acc, e, (const char *)v + kh * kv_head * esize, offs + j0, j1 - j0, D8,
+                                           esize, nh, dtype, n - j0, pf_bytes);
+                            }
+                        }
+                }
             }
             for (int64_t i = 0; i < nq; ++i) {
                 float *head = buf + i * per_head, *acc = head + longest + D;
