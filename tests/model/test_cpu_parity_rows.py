@@ -111,6 +111,17 @@ def test_lanewise_in_place_equals_lanewise(n, dtype) -> None:
         assert lanewise_(torch.ops.aten.silu_.default, y) and _same(y, ref)
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=IDS)
+def test_empty_batches(dtype) -> None:
+    """A step whose rows are all unsampled hands the final norm no rows: empty in, empty out."""
+    x = torch.empty(0, 64, dtype=dtype)
+    y, sq = rows.add_square(x, x)
+    assert y.shape == sq.shape == (0, 64)
+    assert rows.norm_apply(x, sq.sum(-1), 1e-5, torch.ones(64, dtype=dtype)).shape == (0, 64)
+    assert rows.rope(torch.empty(0, 3, 64, dtype=dtype), x, x).shape == (0, 3, 64)
+    assert rows.mul(x, x).shape == (0, 64)
+
+
 def test_bad_arguments_are_refused_before_c() -> None:
     """Shapes, dtypes and layouts the kernels cannot take raise ValueError naming the argument."""
     x = torch.randn(4, 8)

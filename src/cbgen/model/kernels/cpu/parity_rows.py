@@ -1,29 +1,27 @@
 """Parity mode's exact elementwise steps (``csrc/cpu_parity_rows.c``): one C call each where the
 module forward runs a chain of torch's elementwise ops, with the same bits (see the C file).  The
-direct forward (:mod:`cbgen.batch_invariant.direct_forward`) uses them when the kernels are built;
-the torch chains they replace are its fallback and its reference in the tests.
+direct forward (:mod:`cbgen.batch_invariant.direct_forward`) calls them: the plan runs it only where
+the C parity kernels are built.  The torch chains they replace are their reference in the tests.
 
 Each wrapper checks shapes, dtypes and strides before the C side sees a pointer.
 """
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from cbgen.model.kernels.arg_checks import check_rows
-from cbgen.model.kernels.cpu.ops import available, library
+from cbgen.model.kernels.cpu.ops import library
 
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 
 
-def rows_available(dtype: torch.dtype) -> bool:
-    """Whether the exact elementwise kernels run here for ``dtype`` (float32 or bfloat16)."""
-    return dtype in _DTYPES and available()
-
-
 def _stride(t: torch.Tensor) -> int:
-    # A one-row tensor's row stride is arbitrary in torch; the C side wants at least a row's length.
-    return t.stride(0) if t.shape[0] > 1 else t[0].numel()
+    # The row stride of a tensor of at most one row is arbitrary in torch; the C side wants at least
+    # a row's length.
+    return t.stride(0) if t.shape[0] > 1 else math.prod(t.shape[1:])
 
 
 def _call(name: str, rc: int) -> None:
@@ -46,6 +44,8 @@ def add_square(hidden: torch.Tensor, other: torch.Tensor | None = None) -> tuple
         check_rows("other", other, rows, n, dtype)
         out = torch.empty(rows, n, dtype=dtype)
         optr, ostride = other.data_ptr(), _stride(other)
+    if rows == 0 or n == 0:
+        return out, sq
     _call(
         "cbgen_parity_add_square",
         library().cbgen_parity_add_square(
