@@ -61,7 +61,7 @@ class ChildWorker:
                 return None
             try:
                 return _exchange(proc, payload)
-            except (OSError, EOFError, struct.error, pickle.UnpicklingError):
+            except Exception:  # a broken pipe, a dead child, an answer that does not unpickle
                 self._failed()
                 return None
 
@@ -88,7 +88,7 @@ class ChildWorker:
         if greeting is not None:
             try:
                 ready = _exchange(self._proc, greeting) == "ready"
-            except (OSError, EOFError, struct.error, pickle.UnpicklingError):
+            except Exception:
                 ready = False
             if not ready:
                 self._failed()
