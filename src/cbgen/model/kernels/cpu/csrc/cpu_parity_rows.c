@@ -4,11 +4,11 @@
  * Bit for bit, each computes what that chain computes: the same IEEE operations on the same values
  * in the same order, each result rounded where torch rounds it (float32 ops in float32; bfloat16 ops
  * widened exactly, computed in float32 and rounded once to nearest even, as torch's CPU kernels do).
- * No reduction happens here: the one reduction of an RMSNorm (the mean of the squares) stays torch's
- * own call on the squares these kernels write, so its order is the trainer's.  The file is compiled
- * in ISO C mode, where GCC fuses no a * b + c into one rounding, and every loop element is
- * independent, so threading changes no bit.  The engine also checks the whole forward against the
- * module forward bit for bit before it uses it.
+ * No reduction happens here: the one reduction of an RMSNorm (the sum inside the mean of the
+ * squares) stays torch's own call on the squares these kernels write, so its order is the
+ * trainer's.  The file is compiled in ISO C mode, where GCC fuses no a * b + c into one rounding,
+ * and every loop element is independent, so threading changes no bit.  The engine also checks the
+ * whole forward against the module forward bit for bit before it uses it.
  *
  * dtype: 0 = float32, 1 = bfloat16.  Strides in elements.  Sizes are checked before any memory is
  * touched: rc 1 = bad sizes or dtype. */
