@@ -22,19 +22,59 @@
 /* Below this many elements a call runs on one thread: the fork costs more than the loop. */
 enum { PARALLEL_FROM = 1 << 16 };
 
-static inline float ld(const void *p, int64_t i, const int dtype) {
-    return dtype == 0 ? ((const float *)p)[i] : bf16_to_f32(((const uint16_t *)p)[i]);
+/* Every loop below is written once over a dtype that is a constant where it is expanded (the ROWS_*
+ * helpers take it as an argument and are always inlined into a branch per dtype), with no branch
+ * left in the element loop, so GCC vectorises it.  Vector and scalar forms of these operations give
+ * the same IEEE results; only contraction could change a bit, and ISO C mode forbids it. */
+#define AI static inline __attribute__((always_inline))
+
+AI float ld(const void *p, int64_t i, const int dtype) {
+    if (dtype == 0) return ((const float *)p)[i];
+    const uint32_t bits = (uint32_t)((const uint16_t *)p)[i] << 16;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+/* f32_to_bf16 without its early return (a select instead), so a loop using it vectorises. */
+AI uint16_t bf16_of(float f) {
+    uint32_t bits;
+    memcpy(&bits, &f, sizeof bits);
+    const uint32_t nearest = (bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16;
+    const uint32_t quiet = (bits >> 16) | 0x40u;
+    return (uint16_t)((bits & 0x7fffffffu) > 0x7f800000u ? quiet : nearest);
 }
 
 /* A float32 result stored in dtype: bfloat16 rounds to nearest even (the value the next op reads). */
-static inline float rounded(float v, const int dtype) {
-    return dtype == 0 ? v : bf16_to_f32(f32_to_bf16(v));
+AI float rounded(float v, const int dtype) {
+    if (dtype == 0) return v;
+    const uint32_t bits = (uint32_t)bf16_of(v) << 16;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
 }
 
-static inline void st(void *p, int64_t i, float v, const int dtype) {
+AI void st(void *p, int64_t i, float v, const int dtype) {
     if (dtype == 0) ((float *)p)[i] = v;
-    else ((uint16_t *)p)[i] = f32_to_bf16(v);
+    else ((uint16_t *)p)[i] = bf16_of(v);
 }
+
+AI void add_square_row(const void *h, const void *o, void *out, float *s, int64_t n, const int dtype) {
+    if (o) {
+        for (int64_t i = 0; i < n; i++) {
+            const float y = rounded(ld(h, i, dtype) + ld(o, i, dtype), dtype);
+            st(out, i, y, dtype);
+            s[i] = y * y;
+        }
+    } else {
+        for (int64_t i = 0; i < n; i++) {
+            const float y = ld(h, i, dtype);
+            s[i] = y * y;
+        }
+    }
+}
+
+static inline size_t elem(int dtype) { return dtype == 0 ? sizeof(float) : sizeof(uint16_t); }
 
 /* sq[r, i] = float(y)^2 where y = h[r, i] (o NULL) or y = h + o, stored to out (the residual add):
  * the module forward's `hidden = residual + x` then RMSNorm's `h = hidden.to(float32); h.pow(2)`. */
@@ -42,23 +82,23 @@ int cbgen_parity_add_square(const void *h, int64_t hs, const void *o, int64_t os
                             float *sq, int64_t rows, int64_t n, int dtype) {
     if (rows < 0 || n < 0 || (dtype != 0 && dtype != 1) || hs < n || (o && (os < n || out_s < n))) return 1;
     if (!h || !sq || (o && !out)) return 1;
+    const size_t e = elem(dtype);
 #pragma omp parallel for schedule(static) if (rows * n >= PARALLEL_FROM)
     for (int64_t r = 0; r < rows; r++) {
-        float *s = sq + r * n;
-        if (o) {
-            for (int64_t i = 0; i < n; i++) {
-                const float y = rounded(ld(h, r * hs + i, dtype) + ld(o, r * os + i, dtype), dtype);
-                st(out, r * out_s + i, y, dtype);
-                s[i] = y * y;
-            }
-        } else {
-            for (int64_t i = 0; i < n; i++) {
-                const float y = ld(h, r * hs + i, dtype);
-                s[i] = y * y;
-            }
-        }
+        const char *hr = (const char *)h + r * hs * e;
+        const char *orow = o ? (const char *)o + r * os * e : NULL;
+        char *outr = o ? (char *)out + r * out_s * e : NULL;
+        if (dtype == 0) add_square_row(hr, orow, outr, sq + r * n, n, 0);
+        else add_square_row(hr, orow, outr, sq + r * n, n, 1);
     }
     return 0;
+}
+
+AI void norm_row(const void *x, float rs, const void *w, void *out, int64_t n, const int dtype) {
+    for (int64_t i = 0; i < n; i++) {
+        const float y = rounded(ld(x, i, dtype) * rs, dtype);
+        st(out, i, ld(w, i, dtype) * y, dtype);
+    }
 }
 
 /* out[r, i] = w[i] * dtype(float(x[r, i]) * (1 / sqrt(sum[r] / n + eps))): RMSNorm's
@@ -71,15 +111,30 @@ int cbgen_parity_norm_apply(const void *x, int64_t xs, const float *sum, float e
     if (rows < 0 || n <= 0 || (dtype != 0 && dtype != 1) || xs < n || out_s < n) return 1;
     if (!x || !sum || !w || !out) return 1;
     const float count = (float)n;
+    const size_t e = elem(dtype);
 #pragma omp parallel for schedule(static) if (rows * n >= PARALLEL_FROM)
     for (int64_t r = 0; r < rows; r++) {
         const float rs = 1.0f / sqrtf(sum[r] / count + eps);
-        for (int64_t i = 0; i < n; i++) {
-            const float y = rounded(ld(x, r * xs + i, dtype) * rs, dtype);
-            st(out, r * out_s + i, ld(w, i, dtype) * y, dtype);
-        }
+        const char *xr = (const char *)x + r * xs * e;
+        char *outr = (char *)out + r * out_s * e;
+        if (dtype == 0) norm_row(xr, rs, w, outr, n, 0);
+        else norm_row(xr, rs, w, outr, n, 1);
     }
     return 0;
+}
+
+/* One head: out = x * cos + rotate_half(x) * sin, the halves as two loops so neither branches. */
+AI void rope_head(const void *x, const void *c, const void *s, void *out, int64_t half, const int dtype) {
+    for (int64_t i = 0; i < half; i++) {
+        const float a = rounded(ld(x, i, dtype) * ld(c, i, dtype), dtype);
+        const float b = rounded(-ld(x, i + half, dtype) * ld(s, i, dtype), dtype);
+        st(out, i, a + b, dtype);
+    }
+    for (int64_t i = half; i < 2 * half; i++) {
+        const float a = rounded(ld(x, i, dtype) * ld(c, i, dtype), dtype);
+        const float b = rounded(ld(x, i - half, dtype) * ld(s, i, dtype), dtype);
+        st(out, i, a + b, dtype);
+    }
 }
 
 /* out[t, h, :] = x * cos + rotate_half(x) * sin for x = x[t, h, :] (heads at stride d, rows at stride
@@ -91,20 +146,22 @@ int cbgen_parity_rope(const void *x, int64_t xs, int64_t heads, int64_t d, const
     if (xs < heads * d || out_s < heads * d || cs < d) return 1;
     if (!x || !cos || !sin || !out) return 1;
     const int64_t half = d / 2;
+    const size_t e = elem(dtype);
 #pragma omp parallel for schedule(static) if (rows * heads * d >= PARALLEL_FROM)
     for (int64_t t = 0; t < rows; t++) {
+        const char *c = (const char *)cos + t * cs * e, *s = (const char *)sin + t * cs * e;
         for (int64_t hd = 0; hd < heads; hd++) {
-            const int64_t xi = t * xs + hd * d, oi = t * out_s + hd * d;
-            for (int64_t i = 0; i < d; i++) {
-                const float c = ld(cos, t * cs + i, dtype), s = ld(sin, t * cs + i, dtype);
-                const float rot = i < half ? -ld(x, xi + i + half, dtype) : ld(x, xi + i - half, dtype);
-                const float a = rounded(ld(x, xi + i, dtype) * c, dtype);
-                const float b = rounded(rot * s, dtype);
-                st(out, oi + i, a + b, dtype);
-            }
+            const char *xh = (const char *)x + (t * xs + hd * d) * e;
+            char *oh = (char *)out + (t * out_s + hd * d) * e;
+            if (dtype == 0) rope_head(xh, c, s, oh, half, 0);
+            else rope_head(xh, c, s, oh, half, 1);
         }
     }
     return 0;
+}
+
+AI void mul_row(const void *a, const void *b, void *out, int64_t n, const int dtype) {
+    for (int64_t i = 0; i < n; i++) st(out, i, ld(a, i, dtype) * ld(b, i, dtype), dtype);
 }
 
 /* out[r, i] = a[r, i] * b[r, i], rounded to dtype: torch's `a * b` (SwiGLU's `act_fn(gate) * up`).
@@ -113,8 +170,13 @@ int cbgen_parity_mul(const void *a, int64_t as, const void *b, int64_t bs, void 
                      int64_t n, int dtype) {
     if (rows < 0 || n < 0 || (dtype != 0 && dtype != 1) || as < n || bs < n || out_s < n) return 1;
     if (!a || !b || !out) return 1;
+    const size_t e = elem(dtype);
 #pragma omp parallel for schedule(static) if (rows * n >= PARALLEL_FROM)
-    for (int64_t r = 0; r < rows; r++)
-        for (int64_t i = 0; i < n; i++) st(out, r * out_s + i, ld(a, r * as + i, dtype) * ld(b, r * bs + i, dtype), dtype);
+    for (int64_t r = 0; r < rows; r++) {
+        const char *ar = (const char *)a + r * as * e, *br = (const char *)b + r * bs * e;
+        char *outr = (char *)out + r * out_s * e;
+        if (dtype == 0) mul_row(ar, br, outr, n, 0);
+        else mul_row(ar, br, outr, n, 1);
+    }
     return 0;
 }
