@@ -6,12 +6,17 @@ Also run under AddressSanitizer (``make test-asan``)."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cbgen.batch_invariant.direct_forward import _silu_mul
+from cbgen.batch_invariant import direct_forward
+from cbgen.batch_invariant.direct_forward import _c_silu, _silu_mul
 from cbgen.batch_invariant.lanes import LANE_MULTIPLE, lanewise, lanewise_
 from cbgen.model.kernels.cpu import parity_rows as rows
 
@@ -94,6 +99,50 @@ def test_silu_mul_equals_the_modes_swiglu(dtype, t) -> None:
         assert _same(_silu_mul(gate_up, inter), ref), inter
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=IDS)
+def test_silu_mul_through_torchs_exp_is_chosen_where_torch_vectorises(dtype) -> None:
+    """On x86 torch runs its AVX2 or AVX-512 kernels, and the C SiLU through the exp they call
+    passes its start-up check (every bfloat16 value; float32 over 45 scales): the tests above then
+    reach the C kernel, not the fallback."""
+    if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
+        pytest.skip("torch dispatches to another capability here")
+    assert rows.torch_vector_exp() is not None
+    assert _c_silu(dtype) == rows.torch_vector_exp()
+
+
+def test_silu_mul_passes_its_check_under_torchs_avx2_kernels_too() -> None:
+    """CPUs without AVX-512 run torch's AVX2 kernels (8 lanes, another exp): forced here through
+    ATEN_CPU_CAPABILITY in a child process, the 8-lane C path is found and passes the same check."""
+    if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
+        pytest.skip("torch dispatches to another capability here")
+    code = (
+        "import torch\n"
+        "from cbgen.batch_invariant.direct_forward import _c_silu\n"
+        "assert torch.backends.cpu.get_cpu_capability() == 'AVX2'\n"
+        "print([_c_silu(d) is not None and _c_silu(d)[1] for d in (torch.float32, torch.bfloat16)])\n"
+    )
+    env = {**os.environ, "ATEN_CPU_CAPABILITY": "avx2"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip().splitlines()[-1] == "[8, 8]"
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=IDS)
+def test_silu_mul_fallback_and_c_kernel_agree(dtype, monkeypatch) -> None:
+    """The torch path (where the check fails) and the C kernel give the mode's bits, on strided
+    rows and on rows that end on a partial vector."""
+    exp = rows.torch_vector_exp()
+    for inter in (1536, 37, 8):
+        wide = _values((9, 2 * inter + 5), dtype, inter)
+        gate_up = wide[:, : 2 * inter]
+        ref = lanewise(torch.ops.aten.silu.default, gate_up[:, :inter]) * gate_up[:, inter:]
+        if exp is not None:
+            assert _same(rows.silu_mul(gate_up, inter, exp), ref), inter
+        monkeypatch.setattr(direct_forward, "_c_silu", lambda _dtype: None)
+        assert _same(_silu_mul(gate_up, inter), ref), inter
+        monkeypatch.undo()
+
+
 @settings(max_examples=40, deadline=None)
 @given(
     n=st.one_of(st.integers(1, 2048).map(lambda k: k * LANE_MULTIPLE), st.integers(1, 4 * 32768)),
@@ -120,6 +169,9 @@ def test_empty_batches(dtype) -> None:
     assert rows.norm_apply(x, sq.sum(-1), 1e-5, torch.ones(64, dtype=dtype)).shape == (0, 64)
     assert rows.rope(torch.empty(0, 3, 64, dtype=dtype), x, x).shape == (0, 3, 64)
     assert rows.mul(x, x).shape == (0, 64)
+    exp = rows.torch_vector_exp()
+    if exp is not None:
+        assert rows.silu_mul(torch.empty(0, 128, dtype=dtype), 64, exp).shape == (0, 64)
 
 
 def test_bad_arguments_are_refused_before_c() -> None:
@@ -145,3 +197,7 @@ def test_bad_arguments_are_refused_before_c() -> None:
         rows.mul(x, torch.randn(4, 8, dtype=torch.bfloat16))
     with pytest.raises(ValueError, match="out"):
         rows.mul(x, x, out=torch.empty(4, 7))
+    with pytest.raises(ValueError, match="columns"):
+        rows.silu_mul(x, 3, (1, 16))
+    with pytest.raises(ValueError, match="rejected"):
+        rows.silu_mul(x, 4, (1, 4))  # a vector width C does not know, refused before the call

@@ -11,8 +11,11 @@ half of the step).  This forward issues the ops that reach the same kernels dire
   kernel the mode routes ``linear`` to; q/k/v and gate/up as one product each, from one pack of
   the concatenated weights (each output element's chain reads only its own weight column, so the
   concatenation changes no bit);
-* SiLU, and the rotary module's ``cos``/``sin`` (run under the mode, once per step), through the
-  mode's whole-vector form (:mod:`cbgen.batch_invariant.lanes`);
+* SwiGLU's ``silu(gate) * up`` as one C call that evaluates SiLU with torch's own vector exp
+  (:func:`cbgen.model.kernels.cpu.parity_rows.silu_mul`; used only where a check on every bfloat16
+  value and on float32 values over many scales finds torch's bits, otherwise torch's SiLU through
+  the mode's whole-vector form, :mod:`cbgen.batch_invariant.lanes`); the rotary module's
+  ``cos``/``sin`` run under the mode, once per step;
 * attention through the same paged attention function and parity backend;
 * RMSNorm, the rotary products and the residual adds as transformers' modules write them, in the
   same dtypes: the elementwise chains as one exact C call each
@@ -28,6 +31,8 @@ fused path's; the runner re-plans when the model's structure changes (an adapter
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import nn
 
@@ -37,7 +42,7 @@ from cbgen.batch_invariant.packs import WeightPacks
 from cbgen.model.attention import AttentionMetadata, paged_attention_forward
 from cbgen.model.cpu_fast.fused_forward import LayerModules, ModelModules
 from cbgen.model.kernels.cpu.parity import parity_linear_packed, parity_pack
-from cbgen.model.kernels.cpu.parity_rows import add_square, mul, norm_apply, rope
+from cbgen.model.kernels.cpu.parity_rows import add_square, mul, norm_apply, rope, silu_mul, torch_vector_exp
 
 _SILU = torch.ops.aten.silu.default
 _SILU_ = torch.ops.aten.silu_.default
@@ -50,9 +55,43 @@ def _norm(x: torch.Tensor, sq: torch.Tensor, norm: tuple[torch.Tensor, float]) -
     return norm_apply(x, sq.sum(-1), eps, weight)
 
 
+@functools.cache
+def _c_silu(dtype: torch.dtype) -> tuple[int, int] | None:
+    """torch's vector exp when the C SiLU-and-product through it gives the mode's bits for
+    ``dtype`` (NaN payloads aside): checked on every bfloat16 value, and on float32 values over many scales with the
+    special ones, against the mode's own ``lanewise(silu, gate) * up``.  None: the torch path."""
+    exp = torch_vector_exp()
+    if exp is None:
+        return None
+    gen = torch.Generator().manual_seed(0)
+    if dtype == torch.bfloat16:
+        gate = torch.arange(-(1 << 15), 1 << 15, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+    else:
+        scales = torch.logspace(-8, 3, 45)
+        gate = (torch.randn(45, 8192, generator=gen) * scales[:, None]).flatten()
+        special = [0.0, -0.0, float("inf"), float("-inf"), float("nan"), 88.7, -88.7, 104.0, -104.0, 1e-40, -1e-40]
+        gate = torch.cat([gate, torch.tensor(special)])
+    gate = gate.to(dtype)
+    inter = 192  # a row length that is no multiple of any vector width ends each row on a partial one
+    pad = -gate.numel() % inter
+    gate = torch.cat([gate, gate[:pad]]).view(-1, inter)
+    up = torch.randn(gate.shape, generator=gen).to(dtype)
+    want = lanewise(_SILU, gate) * up
+    got = silu_mul(torch.cat([gate, up], dim=1), inter, exp)
+    # Bit for bit, except that a NaN may carry another payload (torch's bfloat16 rounding makes every
+    # NaN one pattern, the C kernels keep the payload): it is a NaN either way.
+    nan = want.isnan()
+    same = torch.equal(got.isnan(), nan) and torch.equal(got[~nan], want[~nan])
+    return exp if same else None
+
+
 def _silu_mul(gate_up: torch.Tensor, inter: int) -> torch.Tensor:
-    # SwiGLU's act_fn(gate) * up: SiLU as the mode computes it (whole vectors), on a contiguous copy
-    # of the gate (in place, without lanewise's padding when its size allows), then one exact product.
+    # SwiGLU's act_fn(gate) * up: SiLU as the mode computes it (whole vectors), then one exact
+    # product: one C call through torch's own vector exp where that gives the same bits, otherwise
+    # torch's SiLU on a contiguous copy of the gate (in place when its size allows) and the C product.
+    exp = _c_silu(gate_up.dtype)
+    if exp is not None:
+        return silu_mul(gate_up, inter, exp)
     gate = gate_up[:, :inter].contiguous()
     if not lanewise_(_SILU_, gate):
         gate = lanewise(_SILU, gate)

@@ -173,6 +173,8 @@ def _build() -> ctypes.CDLL:
     lib.cbgen_parity_rope.argtypes = [ptr, i64, i64, i64, ptr, ptr, i64, ptr, i64, i64, i32]
     # a, its stride, b, its stride, out, its stride, rows, n, dtype
     lib.cbgen_parity_mul.argtypes = [ptr, i64, ptr, i64, ptr, i64, i64, i64, i32]
+    # gate_up, its stride, inter, out, its stride, rows, torch's vector exp, its width, dtype
+    lib.cbgen_parity_silu_mul.argtypes = [ptr, i64, i64, ptr, i64, i64, ptr, i32, i32]
     lib.cbgen_decoder_layout.argtypes = [ctypes.POINTER(i64), ctypes.POINTER(i64)]
     lib.cbgen_decoder_layout.restype = ctypes.c_char_p
     for fn in (
@@ -193,6 +195,7 @@ def _build() -> ctypes.CDLL:
         lib.cbgen_parity_norm_apply,
         lib.cbgen_parity_rope,
         lib.cbgen_parity_mul,
+        lib.cbgen_parity_silu_mul,
     ):
         fn.restype = i32
     return lib

@@ -8,7 +8,11 @@ Each wrapper checks shapes, dtypes and strides before the C side sees a pointer.
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import math
+import os
+from pathlib import Path
 
 import torch
 
@@ -170,4 +174,53 @@ def mul(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None) -> to
             _DTYPES[dtype],
         ),
     )
+    return out
+
+
+# The vector exp torch's CPU kernels call (Vectorized<float>::exp), per the capability torch
+# dispatches its kernels to here, with its width in float32 lanes.
+_TORCH_EXP = {"AVX512": ("Sleef_expf16_u10", 16), "AVX2": ("Sleef_expf8_u10", 8)}
+
+
+@functools.cache
+def torch_vector_exp() -> tuple[int, int] | None:
+    """``(address, width)`` of the vector exp torch's kernels use on this CPU (found in the loaded
+    libtorch_cpu), or None where torch dispatches to another capability or the symbol is missing.
+    Whether :func:`silu_mul` with it equals torch's SiLU is the caller's check."""
+    entry = _TORCH_EXP.get(torch.backends.cpu.get_cpu_capability())
+    if entry is None:
+        return None
+    path = Path(torch.__file__).parent / "lib" / "libtorch_cpu.so"
+    try:
+        # RTLD_NOLOAD: the copy this process already runs, never a second one.
+        lib = ctypes.CDLL(str(path), mode=os.RTLD_NOLOAD | os.RTLD_LOCAL)
+        address = ctypes.cast(getattr(lib, entry[0]), ctypes.c_void_p).value
+    except (OSError, AttributeError):
+        return None
+    return (address, entry[1]) if address else None
+
+
+def silu_mul(gate_up: torch.Tensor, inter: int, exp: tuple[int, int]) -> torch.Tensor:
+    """``silu(gate) * up`` for ``gate_up [T, 2 inter]`` (the gate's columns first; contiguous rows)
+    as torch computes SiLU over whole vectors, each element x / (1 + exp(-x)) with ``exp``
+    (:func:`torch_vector_exp`'s answer) and rounded to the dtype, then the product rounded; returns
+    a new contiguous ``[T, inter]``."""
+    rows, n = gate_up.shape
+    dtype = gate_up.dtype
+    if dtype not in _DTYPES:
+        raise ValueError(f"silu_mul: float32 or bfloat16, got {dtype}")
+    if n != 2 * inter:
+        raise ValueError(f"silu_mul: gate_up has {n} columns, not 2 x {inter}")
+    check_rows("gate_up", gate_up, rows, n, dtype)
+    address, width = exp
+    out = torch.empty(rows, inter, dtype=dtype)
+    if rows == 0 or inter == 0:
+        return out
+    rc = library().cbgen_parity_silu_mul(
+        gate_up.data_ptr(), _stride(gate_up), inter, out.data_ptr(), inter, rows, address, width, _DTYPES[dtype]
+    )
+    if rc:
+        raise ValueError(
+            "cbgen_parity_silu_mul " + ("was built without that vector width" if rc == 2 else "rejected its sizes")
+        )
     return out

@@ -180,3 +180,108 @@ int cbgen_parity_mul(const void *a, int64_t as, const void *b, int64_t bs, void 
     }
     return 0;
 }
+
+/* SwiGLU's act_fn(gate) * up as the module forward computes it under parity mode: torch's SiLU over
+ * whole vectors (cbgen/batch_invariant/lanes.py), its result rounded to dtype, then the product
+ * rounded to dtype.  torch's vectorised SiLU is x / (1 + exp(-x)) in float32 with exp torch's own
+ * vector function; the caller passes that very function (exp_fn, found in libtorch and checked
+ * against torch.silu before use: cbgen/model/kernels/cpu/parity_rows.py) and its width (16: a
+ * __m512 -> __m512 function, 8: __m256 -> __m256).  A row's last partial vector is padded with
+ * zeros, so every element goes through the vector function, as lanes.py arranges for torch.
+ * gate_up is [rows, 2 inter] (the gate, then up) at row stride gs; out [rows, inter] at out_s.
+ * rc 1 = bad sizes, dtype or width, 2 = built without that width's vectors. */
+#if defined(__AVX512F__)
+typedef __m512 (*exp16_fn)(__m512);
+#endif
+#if defined(__AVX2__) && defined(__FMA__)
+typedef __m256 (*exp8_fn)(__m256);
+#endif
+
+enum { SILU_MAX_WIDTH = 16 };
+
+/* The whole-vector part of a row, the same operations as silu_mul_row below in vector registers. */
+#if defined(__AVX512F__)
+AI __m512 round16(__m512 v, const int dtype) {
+    return dtype == 0 ? v : _mm512_castsi512_ps(_mm512_slli_epi32(bf16_bits16(v), 16));
+}
+
+AI int64_t silu_mul_vec16(const void *g, const void *u, void *out, int64_t n, exp16_fn exp, const int dtype) {
+    const __m512 one = _mm512_set1_ps(1.0f), sign = _mm512_set1_ps(-0.0f);
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16) {
+        const __m512 x = ld16(g, i, dtype);
+        const __m512 e = exp(_mm512_xor_ps(x, sign));
+        const __m512 p = _mm512_mul_ps(round16(_mm512_div_ps(x, _mm512_add_ps(one, e)), dtype), ld16(u, i, dtype));
+        if (dtype == 0) _mm512_storeu_ps((float *)out + i, p);
+        else _mm256_storeu_si256((__m256i *)((uint16_t *)out + i), _mm512_cvtepi32_epi16(bf16_bits16(p)));
+    }
+    return i;
+}
+#endif
+
+#if defined(__AVX2__) && defined(__FMA__)
+AI __m256 round8(__m256 v, const int dtype) {
+    return dtype == 0 ? v : _mm256_castsi256_ps(_mm256_slli_epi32(bf16_bits8(v), 16));
+}
+
+AI int64_t silu_mul_vec8(const void *g, const void *u, void *out, int64_t n, exp8_fn exp, const int dtype) {
+    const __m256 one = _mm256_set1_ps(1.0f), sign = _mm256_set1_ps(-0.0f);
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        const __m256 x = ld8(g, i, dtype);
+        const __m256 e = exp(_mm256_xor_ps(x, sign));
+        const __m256 p = _mm256_mul_ps(round8(_mm256_div_ps(x, _mm256_add_ps(one, e)), dtype), ld8(u, i, dtype));
+        if (dtype == 0) _mm256_storeu_ps((float *)out + i, p);
+        else store_bf16x8((uint16_t *)out + i, bf16_bits8(p));
+    }
+    return i;
+}
+#endif
+
+AI void silu_mul_row(const void *g, const void *u, void *out, int64_t n, const void *exp_fn, const int width,
+                     const int dtype) {
+    int64_t start = 0;
+#if defined(__AVX512F__)
+    if (width == 16) start = silu_mul_vec16(g, u, out, n, (exp16_fn)exp_fn, dtype);
+#endif
+#if defined(__AVX2__) && defined(__FMA__)
+    if (width == 8) start = silu_mul_vec8(g, u, out, n, (exp8_fn)exp_fn, dtype);
+#endif
+    /* The last partial vector (or, without vector registers here, nothing: the call was refused). */
+    for (int64_t i0 = start; i0 < n; i0 += width) {
+        const int m = n - i0 < width ? (int)(n - i0) : width;
+        float x[SILU_MAX_WIDTH] = {0}, e[SILU_MAX_WIDTH];
+        for (int l = 0; l < m; l++) x[l] = -ld(g, i0 + l, dtype);
+#if defined(__AVX512F__)
+        if (width == 16) _mm512_storeu_ps(e, ((exp16_fn)exp_fn)(_mm512_loadu_ps(x)));
+#endif
+#if defined(__AVX2__) && defined(__FMA__)
+        if (width == 8) _mm256_storeu_ps(e, ((exp8_fn)exp_fn)(_mm256_loadu_ps(x)));
+#endif
+        for (int l = 0; l < m; l++) {
+            const float s = rounded(-x[l] / (1.0f + e[l]), dtype);
+            st(out, i0 + l, s * ld(u, i0 + l, dtype), dtype);
+        }
+    }
+}
+
+int cbgen_parity_silu_mul(const void *gate_up, int64_t gs, int64_t inter, void *out, int64_t out_s, int64_t rows,
+                          const void *exp_fn, int width, int dtype) {
+    if (rows < 0 || inter < 0 || (dtype != 0 && dtype != 1) || gs < 2 * inter || out_s < inter) return 1;
+    if (!gate_up || !out || !exp_fn || (width != 8 && width != 16)) return 1;
+#if !defined(__AVX512F__)
+    if (width == 16) return 2;
+#endif
+#if !defined(__AVX2__) || !defined(__FMA__)
+    if (width == 8) return 2;
+#endif
+    const size_t e = elem(dtype);
+#pragma omp parallel for schedule(static) if (rows * inter >= PARALLEL_FROM)
+    for (int64_t r = 0; r < rows; r++) {
+        const char *g = (const char *)gate_up + r * gs * e, *u = g + inter * e;
+        char *o = (char *)out + r * out_s * e;
+        if (dtype == 0) silu_mul_row(g, u, o, inter, exp_fn, width, 0);
+        else silu_mul_row(g, u, o, inter, exp_fn, width, 1);
+    }
+    return 0;
+}
