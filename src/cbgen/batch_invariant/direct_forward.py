@@ -69,7 +69,19 @@ def _c_silu(dtype: torch.dtype) -> tuple[int, int] | None:
     else:
         scales = torch.logspace(-8, 3, 45)
         gate = (torch.randn(45, 8192, generator=gen) * scales[:, None]).flatten()
-        special = [0.0, -0.0, float("inf"), float("-inf"), float("nan"), 88.7, -88.7, 104.0, -104.0, 1e-40, -1e-40]
+        special = [
+            0.0,
+            -0.0,
+            float("inf"),
+            float("-inf"),
+            float("nan"),
+            88.7,
+            -88.7,
+            104.0,
+            -104.0,
+            1e-40,
+            -1e-40,
+        ]
         gate = torch.cat([gate, torch.tensor(special)])
     gate = gate.to(dtype)
     inter = 192  # a row length that is no multiple of any vector width ends each row on a partial one

@@ -217,10 +217,19 @@ def silu_mul(gate_up: torch.Tensor, inter: int, exp: tuple[int, int]) -> torch.T
     if rows == 0 or inter == 0:
         return out
     rc = library().cbgen_parity_silu_mul(
-        gate_up.data_ptr(), _stride(gate_up), inter, out.data_ptr(), inter, rows, address, width, _DTYPES[dtype]
+        gate_up.data_ptr(),
+        _stride(gate_up),
+        inter,
+        out.data_ptr(),
+        inter,
+        rows,
+        address,
+        width,
+        _DTYPES[dtype],
     )
     if rc:
         raise ValueError(
-            "cbgen_parity_silu_mul " + ("was built without that vector width" if rc == 2 else "rejected its sizes")
+            "cbgen_parity_silu_mul "
+            + ("was built without that vector width" if rc == 2 else "rejected its sizes")
         )
     return out
