@@ -181,3 +181,48 @@ def test_bf16_pair_gemm_where_the_cpu_has_it() -> None:
     assert not packed[2, :, 37 - 32 :].any()
     with pytest.raises(ValueError, match="pairs"):
         parity_linear(torch.randn(2, 9).bfloat16(), w, packed[:2])
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=IDS)
+def test_token_logprobs_kernel_near_log_softmax_and_row_invariant(dtype) -> None:
+    """cbgen.token_logprobs on the CPU (the C kernel): within a few float32 ulps of torch's
+    log_softmax, the same bits for a row alone, in any batch and from a strided view, and
+    differentiable with log_softmax's gradient."""
+    from cbgen.batch_invariant.logprobs import token_logprobs
+
+    g = torch.Generator().manual_seed(3)
+    for vocab in (49152, 1003, 7, 1):
+        x = (torch.randn(33, vocab + 5, generator=g) * 6).to(dtype)[:, :vocab]  # rows at a stride
+        tok = torch.randint(0, vocab, (33,), generator=g)
+        got = token_logprobs(x, tok)
+        ref = torch.log_softmax(x.float(), -1).gather(-1, tok[:, None])[:, 0]
+        assert got.dtype == torch.float32 and torch.allclose(got, ref, rtol=2e-6, atol=2e-5), vocab
+        alone = torch.cat([token_logprobs(x[i : i + 1].clone(), tok[i : i + 1]) for i in range(33)])
+        assert torch.equal(got, alone), vocab
+        assert torch.equal(token_logprobs(x.view(3, 11, vocab), tok.view(3, 11)).flatten(), got), vocab
+    x = torch.randn(4, 6, 50, dtype=torch.float32, requires_grad=True)
+    tok = torch.randint(0, 50, (4, 6))
+    token_logprobs(x, tok).sum().backward()
+    want = torch.autograd.grad(torch.log_softmax(x, -1).gather(-1, tok[..., None]).sum(), x)[0]
+    assert torch.allclose(x.grad, want, atol=1e-6)
+
+
+def test_token_logprobs_kernel_special_values_and_bad_tokens() -> None:
+    """A NaN anywhere in a row, or an infinite maximum, gives NaN (as log_softmax); a token whose
+    logit is -inf gets -inf, other -inf logits count as nothing; a token id out of range or a
+    mismatched shape is refused before the kernel reads anything."""
+    from cbgen.batch_invariant.logprobs import token_logprobs
+
+    x = torch.zeros(4, 20)
+    x[0, 13] = float("nan")
+    x[1, 2] = float("inf")
+    x[2, 5] = float("-inf")
+    x[3, :10] = float("-inf")
+    got = token_logprobs(x, torch.tensor([0, 0, 5, 12]))
+    assert got[0].isnan() and got[1].isnan()
+    assert got[2] == float("-inf")
+    assert torch.equal(got[3:], torch.log_softmax(x[3:], -1)[:, 12])
+    with pytest.raises(ValueError, match="out of range"):
+        cpu_parity.parity_token_logprobs(x, torch.tensor([0, 0, 20, 1]))
+    with pytest.raises(ValueError, match="tokens"):
+        token_logprobs(x, torch.tensor([0, 1]))

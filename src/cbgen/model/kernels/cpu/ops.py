@@ -164,6 +164,8 @@ def _build() -> ctypes.CDLL:
     ]
     lib.cbgen_parity_attention.argtypes += [ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, f32, i64, f32, i32]
     lib.cbgen_pairs_pack.argtypes = [ptr, i64, i64, i64, ptr, i64]
+    # logits, their row stride, rows, vocab, token ids, out, dtype
+    lib.cbgen_parity_token_logprobs.argtypes = [ptr, i64, i64, i64, ptr, ptr, i32]
     lib.cbgen_pairs_gemm.argtypes = [ptr, i64, ptr, i64, ptr, i64, i64, i64, i64]
     # h, its stride, o, its stride, out, its stride, sq, rows, n, dtype
     lib.cbgen_parity_add_square.argtypes = [ptr, i64, ptr, i64, ptr, i64, ptr, i64, i64, i32]
@@ -191,6 +193,7 @@ def _build() -> ctypes.CDLL:
         lib.cbgen_parity_attention,
         lib.cbgen_pairs_pack,
         lib.cbgen_pairs_gemm,
+        lib.cbgen_parity_token_logprobs,
         lib.cbgen_parity_add_square,
         lib.cbgen_parity_norm_apply,
         lib.cbgen_parity_rope,

@@ -131,9 +131,7 @@ def _strides(t: torch.Tensor) -> list[int]:
 
 def _index(name: str, t: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     if t.shape != shape or t.device.type != "cpu" or t.dtype != dtype:
-        raise ValueError(
-            f"parity_attention: {name} must be a CPU {list(shape)} {dtype} tensor, got {t.dtype} {list(t.shape)}"
-        )
+        raise ValueError(f"{name} must be a CPU {list(shape)} {dtype} tensor, got {t.dtype} {list(t.shape)}")
     return t.contiguous()
 
 
@@ -214,4 +212,30 @@ def parity_attention(
     )
     if rc:
         raise ValueError(f"cbgen_parity_attention {_RC.get(rc, rc)} (T {t}, H {h}, Hkv {kv_heads}, D {d})")
+    return out
+
+
+def parity_token_logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """The log-probability of ``tokens [R]`` (int64) under each row of ``logits [R, V]`` (CPU,
+    float32 or bfloat16, contiguous rows): ``(x[tok] - max) - log(sum(exp(x - max)))``, the sum in
+    one order set by ``V`` alone (``csrc/cpu_parity.c``).  Returns float32 ``[R]``."""
+    if logits.dim() != 2 or logits.dtype not in _DTYPES or logits.device.type != "cpu":
+        raise ValueError(
+            f"parity_token_logprobs: logits must be a CPU [R, V] float32 or bfloat16 tensor, got {logits.dtype} {list(logits.shape)}"
+        )
+    rows, vocab = logits.shape
+    check_rows("logits", logits, rows, vocab, logits.dtype)
+    tokens = _index("tokens", tokens, (rows,), torch.int64)
+    out = torch.empty(rows, dtype=torch.float32)
+    if rows == 0:
+        return out
+    stride = logits.stride(0) if rows > 1 else vocab
+    rc = library().cbgen_parity_token_logprobs(
+        logits.data_ptr(), stride, rows, vocab, tokens.data_ptr(), out.data_ptr(), _DTYPES[logits.dtype]
+    )
+    if rc:
+        raise ValueError(
+            "parity_token_logprobs: "
+            + ("a token id is out of range" if rc == 2 else f"rejected its sizes (V={vocab})")
+        )
     return out

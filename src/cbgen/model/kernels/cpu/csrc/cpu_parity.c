@@ -419,6 +419,70 @@ int cbgen_parity_attention(const void *q, int64_t q_row_stride, int64_t q_head_s
     return failed ? 3 : 0;
 }
 
+/* Parity mode's log-probability of one token per row, the function both sides report with
+ * (cbgen.token_logprobs): out[r] = (x[r, tok[r]] - m) - logf(s), where m is the row's maximum and
+ * s = sum over the row of exp_score(x - m) (the attention's exp), summed in 8 partial sums (lane l
+ * takes j = l, l + 8, ... below V - V % 8), folded by fold8, then the tail in order.  The order
+ * depends on V alone, never on the rows around it, and the AVX2 and portable forms compute the same
+ * bits.  A row holding a NaN, or whose maximum is infinite, gives NaN (as log_softmax does).  Reads
+ * float32 or bfloat16 rows (dtype 0 / 1) at row stride xs; writes float32.  The token ids are checked
+ * before any row is read: rc 1 = bad sizes, 2 = a token out of range. */
+#if defined(__AVX2__) && defined(__FMA__)
+static float row_logprob(const void *x, int64_t V, int64_t tok, const int dtype) {
+    const int64_t V8 = V - V % LANES;
+    __m256 top8 = _mm256_set1_ps(-INFINITY), nan8 = _mm256_setzero_ps();
+    for (int64_t j = 0; j < V8; j += LANES) {
+        const __m256 v = widen8(x, j, dtype);
+        top8 = _mm256_max_ps(top8, v);
+        nan8 = _mm256_or_ps(nan8, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+    }
+    float lanes[LANES], top = -INFINITY;
+    int bad = _mm256_movemask_ps(nan8) != 0;
+    _mm256_storeu_ps(lanes, top8);
+    for (int l = 0; l < LANES; ++l) top = lanes[l] > top ? lanes[l] : top;
+    for (int64_t j = V8; j < V; ++j) {
+        const float v = load1(x, j, dtype);
+        bad |= v != v;
+        top = v > top ? v : top;
+    }
+    if (bad || isinf(top)) return NAN;
+    const __m256 topv = _mm256_set1_ps(top);
+    __m256 sum8 = _mm256_setzero_ps();
+    for (int64_t j = 0; j < V8; j += LANES) sum8 = _mm256_add_ps(sum8, exp_score8(_mm256_sub_ps(widen8(x, j, dtype), topv)));
+    _mm256_storeu_ps(lanes, sum8);
+    float sum = fold8(lanes);
+    for (int64_t j = V8; j < V; ++j) sum += exp_score(load1(x, j, dtype) - top);
+    return (load1(x, tok, dtype) - top) - logf(sum);
+}
+#else
+static float row_logprob(const void *x, int64_t V, int64_t tok, const int dtype) {
+    const int64_t V8 = V - V % LANES;
+    float top = -INFINITY, lanes[LANES] = {0};
+    int bad = 0;
+    for (int64_t j = 0; j < V; ++j) {
+        const float v = load1(x, j, dtype);
+        bad |= v != v;
+        top = v > top ? v : top;
+    }
+    if (bad || isinf(top)) return NAN;
+    for (int64_t j = 0; j < V8; ++j) lanes[j % LANES] += exp_score(load1(x, j, dtype) - top);
+    float sum = fold8(lanes);
+    for (int64_t j = V8; j < V; ++j) sum += exp_score(load1(x, j, dtype) - top);
+    return (load1(x, tok, dtype) - top) - logf(sum);
+}
+#endif
+
+int cbgen_parity_token_logprobs(const void *x, int64_t xs, int64_t rows, int64_t V, const int64_t *tok, float *out,
+                                int dtype) {
+    if (rows < 0 || V < 1 || xs < V || (dtype != 0 && dtype != 1) || (rows && (!x || !tok || !out))) return 1;
+    for (int64_t r = 0; r < rows; ++r)
+        if (tok[r] < 0 || tok[r] >= V) return 2;
+    const int64_t esize = dtype == 0 ? 4 : 2;
+#pragma omp parallel for schedule(static) if (rows * V >= (1 << 16))
+    for (int64_t r = 0; r < rows; ++r) out[r] = row_logprob((const char *)x + r * xs * esize, V, tok[r], dtype);
+    return 0;
+}
+
 /* Parity mode's bfloat16 GEMM on CPUs with AVX512-BF16: out[M, N] = x[M, K] w[N, K]^T, x and w
  * bfloat16, out bfloat16 (rounded once, to nearest even).  Every output element is one chain of
  * vdpbf16ps steps over the k pairs (2i, 2i + 1) in increasing i, each adding the pair's two exact
