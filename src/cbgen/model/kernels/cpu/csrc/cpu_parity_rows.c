@@ -22,9 +22,9 @@
 /* Below this many elements a call runs on one thread: the fork costs more than the loop. */
 enum { PARALLEL_FROM = 1 << 16 };
 
-/* Every loop below is written once over a dtype that is a constant where it is expanded (the ROWS_*
- * helpers take it as an argument and are always inlined into a branch per dtype), with no branch
- * left in the element loop, so GCC vectorises it.  Vector and scalar forms of these operations give
+/* Every loop below is written once over a dtype that is a constant where it is expanded (the *_row
+ * and *_head helpers take it as an argument and are always inlined into a branch per dtype), with no
+ * branch left in the element loop, so GCC vectorises it.  Vector and scalar forms of these operations give
  * the same IEEE results; only contraction could change a bit, and ISO C mode forbids it. */
 #define AI static inline __attribute__((always_inline))
 
