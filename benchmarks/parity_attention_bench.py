@@ -17,6 +17,7 @@ import torch
 
 from cbgen.model.kernels.cpu import ops
 from cbgen.model.kernels.cpu.parity import parity_attention
+from cbgen.utils import advise_huge_pages
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK, LAYERS = 9, 3, 64, 16, 30
 CASES = [(64, 200), (128, 230), (64, 1000)]  # (rows, keys): chat, grpo, a long context
@@ -36,8 +37,10 @@ def _case(rows: int, keys: int, dtype: torch.dtype) -> tuple[float, float]:
     """Milliseconds for the default decode kernel and the parity attention over 30 cold layers."""
     width = keys // BLOCK + 1
     blocks = LAYERS * rows * width + 1
-    k_cache = torch.randn(blocks, BLOCK, KV_HEADS, HEAD_DIM).to(dtype)
-    v_cache = torch.randn(blocks, BLOCK, KV_HEADS, HEAD_DIM).to(dtype)
+    # On transparent huge pages where the OS grants them, as the engine allocates its cache.
+    shape = (blocks, BLOCK, KV_HEADS, HEAD_DIM)
+    k_cache = advise_huge_pages(torch.empty(shape, dtype=dtype)).copy_(torch.randn(shape))
+    v_cache = advise_huge_pages(torch.empty(shape, dtype=dtype)).copy_(torch.randn(shape))
     perm = torch.randperm(blocks - 1)
     tables = [
         perm[i * rows * width : (i + 1) * rows * width].view(rows, width).to(torch.int32).contiguous()
