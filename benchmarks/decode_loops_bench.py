@@ -16,6 +16,7 @@ import torch
 
 from cbgen.model.cpu_fast.decode_loops import IMPLS, built_loops
 from cbgen.model.kernels.cpu import ops
+from cbgen.utils import advise_huge_pages
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK, LAYERS = 9, 3, 64, 16, 30
 SHAPES = ((1, 2048), (1, 8192), (64, 200), (16, 1000))
@@ -25,7 +26,11 @@ def time_case(rows: int, ctx: int, dtype: torch.dtype, loops: list[str]) -> dict
     """Best-of-5 seconds of one pass over the layers, per loop set (interleaved)."""
     blocks = -(-ctx // BLOCK)
     shape = (rows * blocks, BLOCK, KV_HEADS, HEAD_DIM)
-    caches = [(torch.randn(shape).to(dtype), torch.randn(shape).to(dtype)) for _ in range(LAYERS)]
+    # On transparent huge pages where the OS grants them, as the engine allocates its KV cache.
+    caches = [
+        tuple(advise_huge_pages(torch.empty(shape, dtype=dtype)).copy_(torch.randn(shape)) for _ in "kv")
+        for _ in range(LAYERS)
+    ]
     table = torch.randperm(rows * blocks).to(torch.int32).view(rows, blocks)
     lens = torch.full((rows,), ctx, dtype=torch.int32)
     q = torch.randn(rows, HEADS, HEAD_DIM).to(dtype)

@@ -24,6 +24,18 @@ IMPLS = [
     pytest.param(cpu_kernels.IMPL_AVX2, id="avx2", marks=pytest.mark.native("avx2")),
     pytest.param(cpu_kernels.IMPL_PORTABLE, id="portable"),
 ]
+# The same loops with their prefetches into L2 (where the lines go changes no result, but the
+# prefetch walk runs over the same blocks and must stay inside them: the ASan run covers that).
+L2_IMPLS = [
+    pytest.param(
+        cpu_kernels.IMPL_FAST | cpu_kernels.IMPL_PREFETCH_L2,
+        id="avx512-l2",
+        marks=pytest.mark.native("avx512"),
+    ),
+    pytest.param(
+        cpu_kernels.IMPL_AVX2 | cpu_kernels.IMPL_PREFETCH_L2, id="avx2-l2", marks=pytest.mark.native("avx2")
+    ),
+]
 
 
 def _check_decode(*args, window=None, **kwargs) -> None:
@@ -79,6 +91,25 @@ def test_decode_long_contexts_split_into_chunks(dtype: torch.dtype, impl: int, l
     """Few rows with long contexts: each row's context is cut into chunks whose partial softmaxes
     are merged (rows of other lengths, and sliding windows, in the same call)."""
     _check_decode(lens, 9, 3, 64, 16, dtype, seed=len(lens), window=window, impl=impl)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("impl", L2_IMPLS)
+@pytest.mark.parametrize(
+    ("num_heads", "num_kv_heads", "head_dim"), [(9, 3, 64), (8, 2, 128), (4, 4, 32), (16, 2, 64)]
+)
+@pytest.mark.parametrize("lens", [LENS, MANY_LENS, [3000, 40]], ids=["few-rows", "many-rows", "long"])
+def test_decode_with_prefetches_into_l2(dtype, impl, num_heads, num_kv_heads, head_dim, lens) -> None:
+    _check_decode(lens, num_heads, num_kv_heads, head_dim, 16, dtype, seed=head_dim, impl=impl)
+
+
+@pytest.mark.parametrize("impl", [3, 7, 8, -1])
+def test_decode_refuses_an_unknown_impl(impl: int) -> None:
+    query, k_cache, v_cache, table, _, seq_lens = make_case(1, [5, 9], 4, 2, 16, 8, torch.float32)
+    with pytest.raises(ValueError, match="sizes"):
+        cpu_kernels.decode_direct(
+            query, k_cache, v_cache, table.to(torch.int32), seq_lens.to(torch.int32), 0.25, 0, 0.0, impl
+        )
 
 
 @pytest.mark.native("avx512", "avx512bf16")

@@ -97,3 +97,25 @@ def test_the_engine_runs_the_measured_loops_exactly() -> None:
     prompts = make_prompts(5, (4, 40), vocab=model.config.vocab_size, seed=2)
     outs = llm.generate(prompts, SamplingParams(max_tokens=8, temperature=0.0), use_tqdm=False)
     compare(model, prompts, [o.outputs[0].token_ids for o in outs], [hf_greedy(model, p, 8) for p in prompts])
+
+
+def test_each_loop_set_competes_in_both_prefetch_forms(tmp_path) -> None:
+    """Where the build has them, the ``-l2`` forms (prefetches into L2) are timed beside the
+    non-temporal ones and can win; every name the build reports has an ``impl``."""
+    all_forms = ["avx512", "avx512-l2", "avx2", "avx2-l2", "portable"]
+    seen = []
+
+    def timer(loops: str, rows: int, ctx: int) -> float:
+        seen.append(loops)
+        return rows * ctx * 1e-6 * (0.6 if loops == "avx2-l2" else 1.0)
+
+    loops, _ = decode_loops.choose(torch.float32, 9, 3, 64, 16, timer, tmp_path / "l.json", all_forms)
+    assert loops == "avx2-l2" and set(seen) == set(decode_loops.CONTENDERS)
+    # An AVX2-only build still chooses between its two prefetch forms.
+    seen.clear()
+    assert decode_loops.choose(torch.float32, 9, 3, 64, 16, timer, tmp_path / "m.json", ["avx2", "avx2-l2"])[
+        0
+    ] == ("avx2-l2")
+    assert set(seen) == {"avx2", "avx2-l2"}
+    for name in decode_loops.built_loops():
+        assert name in decode_loops.IMPLS

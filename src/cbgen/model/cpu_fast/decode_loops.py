@@ -1,17 +1,26 @@
 """Which loops the C decode-attention kernel runs, measured on this machine at engine start.
 
-The kernel has AVX-512 loops, 16 lanes with one query head at a time, and AVX2 loops, 8 lanes with
-the query heads of a GQA group sharing each key and value load and the next block's prefetch spread
-over the current block's work. The wider vector is not the faster one everywhere: on an AMD EPYC Zen 4 (family 25
-model 17, AVX-512 + AVX512-BF16, no AMX), which
-runs each AVX-512 instruction as two 256-bit halves, the AVX2 loops took 17-30% less time at every
-shape timed (1 row at 2k and 8k of context, 16 rows at 1k, 64 rows at 200, float32 and bfloat16; see
-docs/design.md). So where a build has both, the engine times them on the model's attention geometry
-with caches larger than the last-level cache, and caches the answer on disk next to the GEMM choice,
-keyed the same way (CPU model and flags, threads, torch, dtype and geometry).
+The kernel has AVX-512 loops (16 lanes; scores of bf16 queries and keys through vdpbf16ps where the
+CPU has AVX512-BF16) and AVX2 loops (8 lanes).  Both take the query heads of a GQA group together
+for the values, and spread the next block's software prefetch over the current block's work.  Each
+set comes in two forms, prefetching non-temporally into L1 (``avx512``, ``avx2``) or into L2
+(``avx512-l2``, ``avx2-l2``).  Neither the wider vector nor one prefetch is the faster everywhere:
 
-``CBGEN_DECODE_LOOPS`` forces a choice: ``avx512``, ``avx2``, ``portable``, or ``widest``, the widest
-loops the build has, which is what ran before the measurement existed and what the tests pin.
+- on an AMD EPYC Zen 4 (family 25 model 17, AVX-512 + AVX512-BF16, no AMX), which runs each AVX-512
+  instruction as two 256-bit halves, the AVX2 loops took 17-30% less time than the AVX-512 ones of
+  that time (one query head at a time, one prefetch burst per block); the AVX-512 loops as they are
+  now, prefetching into L2, took 20-35% less than either set prefetching non-temporally;
+- on an AMD EPYC Zen 2 (AVX2 only), non-temporal prefetches were 3-10% faster than ones into every
+  cache level.
+
+So the engine times every form the build has on the model's attention geometry, with caches larger
+than the last-level cache on huge pages as the KV cache is, and caches the answer on disk next to
+the GEMM choice, keyed the same way (CPU model and flags, threads, torch, dtype and geometry).
+docs/design.md has the tables.
+
+``CBGEN_DECODE_LOOPS`` forces a choice: one of :data:`CONTENDERS`, ``portable``, or ``widest``, the
+widest loops the build has with non-temporal prefetches, which is what ran before the measurement
+existed and what the tests pin.
 """
 
 from __future__ import annotations
@@ -27,17 +36,23 @@ import torch
 from cbgen import envs
 from cbgen.model.cpu_fast import gemm_choice
 from cbgen.model.kernels.cpu import ops as cpu_kernels
+from cbgen.utils import advise_huge_pages
 
 log = logging.getLogger("cbgen")
 
-# Loop names -> the kernel's ``impl`` argument.
+# Loop names -> the kernel's ``impl`` argument.  A ``-l2`` name is the same loops with their software
+# prefetches into L2 (prefetcht1) instead of non-temporal ones into L1.
 IMPLS: dict[str, int] = {
     "widest": cpu_kernels.IMPL_FAST,
     "avx512": cpu_kernels.IMPL_FAST,
+    "avx512-l2": cpu_kernels.IMPL_FAST | cpu_kernels.IMPL_PREFETCH_L2,
     "avx2": cpu_kernels.IMPL_AVX2,
+    "avx2-l2": cpu_kernels.IMPL_AVX2 | cpu_kernels.IMPL_PREFETCH_L2,
     "portable": cpu_kernels.IMPL_PORTABLE,
 }
-_MEASUREMENT_VERSION = 1
+# The vector loops the engine chooses between, where the build has them.
+CONTENDERS = ("avx512", "avx512-l2", "avx2", "avx2-l2")
+_MEASUREMENT_VERSION = 2
 # The shapes timed: (rows, context) of a batch of chat-sized decode rows and of one long sequence.
 CASES = ((64, 256), (1, 4096))
 TIMING_ROUNDS = 3
@@ -51,7 +66,8 @@ def built_loops() -> list[str]:
     if not cpu_kernels.available():
         return []
     mask = int(cpu_kernels.library().cbgen_decode_loops())
-    return [name for bit, name in ((1, "avx512"), (2, "avx2")) if mask & bit] + ["portable"]
+    vector = [name for bit, name in ((1, "avx512"), (2, "avx2")) if mask & bit]
+    return [n for v in vector for n in (v, f"{v}-l2")] + ["portable"]
 
 
 def _cache_path() -> Path:
@@ -78,8 +94,14 @@ def time_loops(dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int, blo
             per_layer = 2 * rows * blocks * block_size * kv_heads * head_dim * torch.finfo(dtype).bits // 8
             layers = max(2, min(16, -(-COLD_BYTES // per_layer)))
             shape = (rows * blocks, block_size, kv_heads, head_dim)
+            # On transparent huge pages where the OS grants them, as the engine's KV cache is
+            # (cbgen.model.kv_cache): on 4 KiB pages the scattered blocks add TLB misses that the
+            # engine does not pay, and they favoured one set of loops over the other.
             caches = [
-                (torch.full(shape, 0.01, dtype=dtype), torch.full(shape, 0.02, dtype=dtype))
+                (
+                    advise_huge_pages(torch.empty(shape, dtype=dtype)).fill_(0.01),
+                    advise_huge_pages(torch.empty(shape, dtype=dtype)).fill_(0.02),
+                )
                 for _ in range(layers)
             ]
             # Blocks in a shuffled order, as a cache that has served many requests hands them out.
@@ -119,7 +141,7 @@ def choose(
             raise ValueError(f"CBGEN_DECODE_LOOPS={forced!r}: this build's loops are {available}")
         return forced, "CBGEN_DECODE_LOOPS"
     # Only the widest loops serve every head size: the AVX-512 ones need D % 16, the AVX2 ones D % 8.
-    contenders = [n for n in ("avx512", "avx2") if n in available]
+    contenders = [n for n in CONTENDERS if n in available]
     if len(contenders) < 2 or head_dim % 16 or head_dim > 256:
         return "widest", "the widest loops this build has for this head size (nothing to choose)"
     key = cache_key(dtype, heads, kv_heads, head_dim, block_size)

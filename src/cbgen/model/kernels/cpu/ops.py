@@ -51,8 +51,10 @@ _SOURCES = [
     )
 ]
 _HEADERS = [_CSRC / "cbgen_numerics.h"]
-# Which decode-attention loops cbgen_paged_decode runs (its ``impl`` argument).
+# Which decode-attention loops cbgen_paged_decode runs (its ``impl`` argument), and a flag added to
+# them: the vector loops' prefetches go into L2 rather than non-temporally into L1.
 IMPL_FAST, IMPL_PORTABLE, IMPL_AVX2 = 0, 1, 2
+IMPL_PREFETCH_L2 = 4
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=c11"]
 # CBGEN_SANITIZE=address: a separate build of the same sources (the flags are part of the cache key)
 # whose out-of-bounds accesses abort with a report.  The Python process must preload the runtime:
@@ -272,7 +274,8 @@ def decode_direct(
     """The decode kernel without the custom-op layer: ``query [B, H, D]`` of the cache's dtype (heads
     contiguous, any row stride), int32 ``block_table``/``seq_lens``; ``window``/``softcap`` 0 = off.
     ``impl``: :data:`IMPL_FAST` (the fastest loops this build has), :data:`IMPL_PORTABLE` (the plain C
-    loops) or :data:`IMPL_AVX2` (the AVX2 loops even where AVX-512 ones exist); tests compare them.  ``out``: a
+    loops) or :data:`IMPL_AVX2` (the AVX2 loops even where AVX-512 ones exist), plus
+    :data:`IMPL_PREFETCH_L2` for the vector loops to prefetch into L2; tests compare them.  ``out``: a
     contiguous ``[B, H, D]`` tensor to write into (default: a new one)."""
     check_decode(query, k_cache, v_cache, block_table, seq_lens)
     if query.dtype not in _DTYPES or query.dtype != k_cache.dtype or query.device.type != "cpu":
@@ -318,7 +321,7 @@ def _decode_error(rc: int) -> Exception:
         )
     if rc == 3:
         return MemoryError("cbgen_paged_decode could not allocate its work buffers")
-    return ValueError(f"cbgen_paged_decode rejected its sizes (code {rc})")
+    return ValueError(f"cbgen_paged_decode rejected its sizes or loops (code {rc})")
 
 
 @_decode_op.register_fake

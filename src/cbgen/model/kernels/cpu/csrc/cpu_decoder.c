@@ -90,7 +90,7 @@ int cbgen_decoder_step(const int64_t *layers, const float *floats, int n_layers,
                        int Hkv, int D, int64_t I, int block_size, int64_t num_blocks, int dtype, int gemm,
                        int attn_impl) {
     if (dtype < 0 || dtype > 1 || gemm < 0 || gemm > 2 || (gemm == 0 && dtype != 1)) return 1;
-    if (attn_impl < 0 || attn_impl > 2) return 1;
+    if (attn_impl < 0 || attn_impl > 7 || (attn_impl & 3) == 3) return 1;
     const int64_t qd = (int64_t)H * D, kd = (int64_t)Hkv * D, nqkv = qd + 2 * kd;
     const int esize = dtype == 0 ? 4 : 2;
     char *const q = (char *)qkv, *const k = q + qd * esize, *const v = k + kd * esize;

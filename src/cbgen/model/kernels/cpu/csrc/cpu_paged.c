@@ -104,41 +104,38 @@ static void decode_task(const void *q, int64_t qs, const void *kc, const void *v
     }
 }
 
-/* Prefetches the first ``count`` tokens of cache block ``block`` (this task's heads: ``span`` bytes a
- * token from head h0 on) into L1: the next block's address is a table lookup, which no hardware
- * prefetcher guesses.  Used by the AVX-512 loops (the AVX2 ones spread theirs: pf_cursor). */
-static inline void prefetch_block(const void *cache, int64_t block, int64_t count, int bs, int64_t tok_stride,
-                                  int h0, int D, int64_t esize, int64_t span) {
-    const char *base = (const char *)cache + (block * bs * tok_stride + (int64_t)h0 * D) * esize;
-    for (int64_t t = 0; t < count; ++t)
-        for (int64_t c = 0; c < span; c += 64) __builtin_prefetch(base + t * tok_stride * esize + c, 0, 3);
-}
-
 /* A software prefetch spread over a block's work: the lines of a later block (this task's heads,
  * `lpt` lines a token, tokens `tstride` bytes apart), `per` lines each time pf_step is called.  On an
  * AMD EPYC with AVX2 only, prefetching the whole next block in one burst at the block's start stalled
  * the core on its fill buffers while the memory then sat idle through the compute: a single 8k-token
  * sequence's attention ran at 8 GB/s of KV; spread over the block's steps it runs at 14 (read
- * bandwidth 21).  Non-temporal (each line is read once a step): 3-10% faster than into every
- * cache level there. */
+ * bandwidth 21).  Where the lines go is the caller's (l2): non-temporal into L1 was 3-10% faster
+ * than into every cache level on that EPYC; on a Zen 4 (AMD EPYC family 25 model 17) into L2 only
+ * (prefetcht1) was 20-35% faster than non-temporal, the L1's fill buffers being what ran out.  The
+ * engine measures both at start (cbgen.model.cpu_fast.decode_loops). */
 typedef struct {
     const char *base;
     int64_t next, lines, lpt, tstride;
     int per, contiguous; /* contiguous: the lines follow one another (a task of every kv head) */
+    int l2;              /* 1: prefetcht1 (into L2), 0: prefetchnta */
 } pf_cursor;
 
 static inline __attribute__((always_inline)) void pf_step(pf_cursor *c) {
-    for (int i = 0; i < c->per && c->next < c->lines; ++i, ++c->next)
-        __builtin_prefetch(c->contiguous ? c->base + c->next * 64
-                                         : c->base + (c->next / c->lpt) * c->tstride + (c->next % c->lpt) * 64,
-                           0, 0);
+    for (int i = 0; i < c->per && c->next < c->lines; ++i, ++c->next) {
+        const char *line = c->contiguous ? c->base + c->next * 64
+                                         : c->base + (c->next / c->lpt) * c->tstride + (c->next % c->lpt) * 64;
+        if (c->l2) __builtin_prefetch(line, 0, 2);
+        else __builtin_prefetch(line, 0, 0);
+    }
 }
 
 /* The cursor over tokens [ks, ke) of block-table entry kb (their own block) of `cache`, heads from h0
  * (`span` bytes a token), spread over `steps` calls of pf_step. */
 static inline pf_cursor pf_block(const void *cache, const int32_t *table, int64_t kb, int64_t ks, int64_t ke, int bs,
-                                 int64_t tok_stride, int h0, int D, int64_t esize, int64_t span, int64_t steps) {
+                                 int64_t tok_stride, int h0, int D, int64_t esize, int64_t span, int64_t steps,
+                                 int l2) {
     pf_cursor c;
+    c.l2 = l2;
     c.base = (const char *)cache + (((int64_t)table[kb] * bs + ks % bs) * tok_stride + (int64_t)h0 * D) * esize;
     c.lpt = (span + 63) / 64;
     c.tstride = tok_stride * esize;
@@ -195,17 +192,56 @@ static inline __attribute__((always_inline)) __m512 hsum16x16(const __m512 v[16]
     return _mm512_add_ps(_mm512_shuffle_f32x4(w0, w1, 0x88), _mm512_shuffle_f32x4(w0, w1, 0xDD));
 }
 
+/* The AVX-512 value pass takes the query rows of one kv head up to GROUP16 at a time, so each value
+ * vector is loaded (and, for bfloat16, widened) once for all of them.  One row at a time, the
+ * widening of every value vector for each of a GQA group's heads was most of the pass. */
+enum { GROUP16 = 4 };
+
+/* How many query rows from row r0 on share its kv head and go together (rows are kv-head major). */
+static inline int gb16_step(int r0, int G) {
+    const int left = G - r0 % G;
+    return left < GROUP16 ? left : GROUP16;
+}
+
+/* acc rows g < gb (ar + g * D) += sum over cnt tokens of p[g][t] * value[t], p[g] at pg + g * cap;
+ * 4 value vectors (64 elements) of a token at a time, each loaded once for the gb rows (up to 16
+ * accumulators: as many independent FMA chains as the latency needs). */
+static inline __attribute__((always_inline)) void group_values16(const float *pg, int64_t cap, float *ar, const int D,
+                                                                 const void *vc, int64_t first, int64_t tok_stride,
+                                                                 int64_t hd, int64_t cnt, const int dtype,
+                                                                 const int gb, pf_cursor *pf) {
+    for (int i0 = 0; i0 < D / 16; i0 += 4) {
+        const int w = (D / 16 - i0) < 4 ? D / 16 - i0 : 4;
+        __m512 a[GROUP16][4];
+        for (int g = 0; g < gb; ++g)
+            for (int i = 0; i < w; ++i) a[g][i] = _mm512_loadu_ps(ar + g * D + (i0 + i) * 16);
+        for (int64_t t = 0; t < cnt; ++t) {
+            const int64_t o = first + t * tok_stride + hd + i0 * 16;
+            pf_step(pf);
+            __m512 p[GROUP16];
+            for (int g = 0; g < gb; ++g) p[g] = _mm512_set1_ps(pg[g * cap + t]);
+            for (int i = 0; i < w; ++i) {
+                const __m512 v = ld16(vc, o + i * 16, dtype);
+                for (int g = 0; g < gb; ++g) a[g][i] = _mm512_fmadd_ps(p[g], v, a[g][i]);
+            }
+        }
+        for (int g = 0; g < gb; ++g)
+            for (int i = 0; i < w; ++i) _mm512_storeu_ps(ar + g * D + (i0 + i) * 16, a[g][i]);
+    }
+}
+
 /* decode_task for D % 16 == 0 (D <= 256) with AVX-512.  Per kv head, the keys (then the values) are
  * walked block by block; each block's rows are read from memory once and then serve every query
  * head of the task from L1.  Scores are computed 16 tokens at a time and reduced together
  * (hsum16x16); with AVX512-BF16 and D % 32 == 0, bf16 queries and keys go straight into vdpbf16ps
- * (exact bf16 products, float32 sums) instead of being widened first.  The value pass keeps a
- * head's output accumulator in registers through a block.  No division per token or block.
+ * (exact bf16 products, float32 sums) instead of being widened first.  The value pass takes a
+ * GQA group's query heads together (group_values16), their accumulators in registers through a
+ * block; with one query head per kv head it keeps four accumulator sets over alternating tokens.
  * ws: R*D scaled queries, R*D accumulators, R*cap scores (R = the task's query heads). */
 static inline __attribute__((always_inline)) void decode_task_avx512(
     const void *q, int64_t qs, const void *kc, const void *vc, const int32_t *table, int64_t j0, int64_t j1,
     int64_t b, int h0, int h1, int H, int Hkv, const int D, int bs, float scale, float softcap, const int dtype,
-    float *part, float *ws, int64_t cap) {
+    float *part, float *ws, int64_t cap, const int l2) {
     const int G = H / Hkv, nv = D / 16, R = (h1 - h0) * G; /* R query heads in this task */
 #if defined(__AVX512BF16__)
     const int pairs = dtype == 1 && D % 32 == 0;
@@ -221,17 +257,28 @@ static inline __attribute__((always_inline)) void decode_task_avx512(
                 _mm512_storeu_ps(qf + r * D + i * 16,
                                  _mm512_mul_ps(ld16(q, qo + r * D + i * 16, dtype), _mm512_set1_ps(scale)));
     /* Blocks are the outer loop and heads the inner one, so each block (contiguous tokens x heads) is
-     * read front to back, once; the next block is prefetched, as its address is a table lookup no
-     * hardware prefetcher can guess. */
+     * read front to back, once.  The next block in walk order (keys, then values) is prefetched
+     * spread over this block's work, as the AVX2 loops do: its address is a table lookup no hardware
+     * prefetcher can guess, and on a Zen 4 one burst at the block's start left these loops 26% slower
+     * than the AVX2 ones on cold caches. */
+    const int64_t b0 = j0 / bs, nblk = (j1 - 1) / bs - b0 + 1;
+    const int64_t span = (int64_t)(h1 - h0) * D * esize; /* bytes of this task's heads per token */
+    int groups = 0;
+    for (int r0 = 0; r0 < R; r0 += gb16_step(r0, G)) ++groups;
     for (int pass = 0; pass < 2; ++pass) {
-        const void *cache = pass == 0 ? kc : vc;
-        const int64_t span = (int64_t)(h1 - h0) * D * esize; /* bytes of this task's heads per token */
         for (int64_t j = j0, blk = j0 / bs, off = j0 % bs; j < j1; ++blk, off = 0) {
             const int64_t cnt = (bs - off) < (j1 - j) ? (bs - off) : (j1 - j);
             const int64_t first = ((int64_t)table[blk] * bs + off) * tok_stride;
-            if (j + cnt < j1)
-                prefetch_block(cache, table[blk + 1], (j1 - j - cnt) < bs ? (j1 - j - cnt) : bs, bs, tok_stride, h0,
-                               D, esize, span);
+            pf_cursor pf = {0, 0, 0, 1, 0, 0, 1};
+            const int64_t k = pass * nblk + (blk - b0) + 1;
+            if (k < 2 * nblk) {
+                const int64_t kb = k % nblk + b0, ks = kb == b0 ? j0 : kb * bs;
+                const int64_t ke = (kb + 1) * bs < j1 ? (kb + 1) * bs : j1;
+                const int64_t steps = pass == 0 ? R * ((cnt + 15) / 16)
+                                      : G > 1 ? groups * ((nv + 3) / 4) * cnt
+                                              : R * cnt;
+                pf = pf_block(k < nblk ? kc : vc, table, kb, ks, ke, bs, tok_stride, h0, D, esize, span, steps, l2);
+            }
             if (pass == 0) {
                 for (int64_t t0 = 0; t0 < cnt; t0 += 16) {
                     const int m = (cnt - t0) < 16 ? (int)(cnt - t0) : 16;
@@ -239,6 +286,7 @@ static inline __attribute__((always_inline)) void decode_task_avx512(
                     for (int t = 0; t < 16; ++t) row[t] = first + (t0 + (t < m ? t : m - 1)) * tok_stride;
                     for (int r = 0; r < R; ++r) {
                         const int64_t hd = (int64_t)(h0 + r / G) * D;
+                        pf_step(&pf);
                         __m512 sv[16];
                         for (int t = 0; t < 16; ++t) sv[t] = _mm512_setzero_ps();
 #if defined(__AVX512BF16__)
@@ -266,9 +314,20 @@ static inline __attribute__((always_inline)) void decode_task_avx512(
                             for (int t = 0; t < m; ++t) sg[t] = tanhf(sg[t] / softcap) * softcap;
                     }
                 }
+            } else if (G > 1) {
+                for (int r0 = 0; r0 < R; r0 += gb16_step(r0, G)) {
+                    const int gb = gb16_step(r0, G);
+                    const int64_t hd = (int64_t)(h0 + r0 / G) * D;
+                    const float *pg = scores + (size_t)r0 * cap + (j - j0);
+#define CB_VALUES16(GB) group_values16(pg, cap, acc + r0 * D, D, vc, first, tok_stride, hd, cnt, dtype, GB, &pf)
+                    if (gb == 4) CB_VALUES16(4);
+                    else if (gb == 3) CB_VALUES16(3);
+                    else CB_VALUES16(2);
+#undef CB_VALUES16
+                }
             } else {
                 for (int r = 0; r < R; ++r) {
-                    const int64_t hd = (int64_t)(h0 + r / G) * D;
+                    const int64_t hd = (int64_t)(h0 + r) * D;
                     const float *pg = scores + (size_t)r * cap + (j - j0);
                     float *ar = acc + r * D;
                     if (nv <= 4) {
@@ -282,12 +341,14 @@ static inline __attribute__((always_inline)) void decode_task_avx512(
                             for (int u = 0; u < 4; ++u) {
                                 const int64_t o = first + (t + u) * tok_stride + hd;
                                 const __m512 pv = _mm512_set1_ps(pg[t + u]);
+                                pf_step(&pf);
                                 for (int i = 0; i < nv; ++i)
                                     a[u][i] = _mm512_fmadd_ps(pv, ld16(vc, o + i * 16, dtype), a[u][i]);
                             }
                         for (; t < cnt; ++t) {
                             const int64_t o = first + t * tok_stride + hd;
                             const __m512 pv = _mm512_set1_ps(pg[t]);
+                            pf_step(&pf);
                             for (int i = 0; i < nv; ++i) a[0][i] = _mm512_fmadd_ps(pv, ld16(vc, o + i * 16, dtype), a[0][i]);
                         }
                         for (int i = 0; i < nv; ++i)
@@ -299,6 +360,7 @@ static inline __attribute__((always_inline)) void decode_task_avx512(
                         for (int64_t t = 0; t < cnt; ++t) {
                             const int64_t o = first + t * tok_stride + hd;
                             const __m512 pv = _mm512_set1_ps(pg[t]);
+                            pf_step(&pf);
                             for (int i = 0; i < nv; ++i) av[i] = _mm512_fmadd_ps(pv, ld16(vc, o + i * 16, dtype), av[i]);
                         }
                         for (int i = 0; i < nv; ++i) _mm512_storeu_ps(ar + i * 16, av[i]);
@@ -317,9 +379,9 @@ static inline __attribute__((always_inline)) void decode_task_avx512(
 /* Specialised copies for the common head sizes and both dtypes, so the D loops unroll. */
 static void decode_task_fast(const void *q, int64_t qs, const void *kc, const void *vc, const int32_t *table, int64_t j0,
                              int64_t j1, int64_t b, int h0, int h1, int H, int Hkv, int D, int bs, float scale,
-                             float softcap, int dtype, float *part, float *ws, int64_t cap) {
+                             float softcap, int dtype, float *part, float *ws, int64_t cap, int l2) {
 #define CB_CALL(DD, DT) \
-    decode_task_avx512(q, qs, kc, vc, table, j0, j1, b, h0, h1, H, Hkv, DD, bs, scale, softcap, DT, part, ws, cap)
+    decode_task_avx512(q, qs, kc, vc, table, j0, j1, b, h0, h1, H, Hkv, DD, bs, scale, softcap, DT, part, ws, cap, l2)
     if (dtype == 0) {
         if (D == 64) CB_CALL(64, 0);
         else if (D == 128) CB_CALL(128, 0);
@@ -437,7 +499,7 @@ static inline __attribute__((always_inline)) void group_values(const float *pg, 
 static inline __attribute__((always_inline)) void decode_task_avx2(
     const void *q, int64_t qs, const void *kc, const void *vc, const int32_t *table, int64_t j0, int64_t j1,
     int64_t b, int h0, int h1, int H, int Hkv, const int D, int bs, float scale, float softcap, const int dtype,
-    float *part, float *ws, int64_t cap) {
+    float *part, float *ws, int64_t cap, const int l2) {
     const int G = H / Hkv, nv = D / 8, R = (h1 - h0) * G;
     const int64_t tok_stride = (int64_t)Hkv * D, esize = dtype == 0 ? 4 : 2, L = j1 - j0;
     const int64_t qo = b * qs + (int64_t)h0 * G * D;
@@ -463,7 +525,7 @@ static inline __attribute__((always_inline)) void decode_task_avx2(
                 const int64_t kb = k % nblk + b0, ks = kb == b0 ? j0 : kb * bs;
                 const int64_t ke = (kb + 1) * bs < j1 ? (kb + 1) * bs : j1;
                 const int64_t steps = pass == 0 ? groups * ((cnt + 3) / 4) : groups * ((nv + 3) / 4) * cnt;
-                pf = pf_block(k < nblk ? kc : vc, table, kb, ks, ke, bs, tok_stride, h0, D, esize, span, steps);
+                pf = pf_block(k < nblk ? kc : vc, table, kb, ks, ke, bs, tok_stride, h0, D, esize, span, steps, l2);
             }
             if (pass == 0) {
                 for (int r0 = 0; r0 < R; r0 += gb_step(r0, G)) {
@@ -516,9 +578,9 @@ static inline __attribute__((always_inline)) void decode_task_avx2(
 
 static void decode_task_avx2_any(const void *q, int64_t qs, const void *kc, const void *vc, const int32_t *table,
                                  int64_t j0, int64_t j1, int64_t b, int h0, int h1, int H, int Hkv, int D, int bs,
-                                 float scale, float softcap, int dtype, float *part, float *ws, int64_t cap) {
+                                 float scale, float softcap, int dtype, float *part, float *ws, int64_t cap, int l2) {
 #define CB_CALL(DD, DT) \
-    decode_task_avx2(q, qs, kc, vc, table, j0, j1, b, h0, h1, H, Hkv, DD, bs, scale, softcap, DT, part, ws, cap)
+    decode_task_avx2(q, qs, kc, vc, table, j0, j1, b, h0, h1, H, Hkv, DD, bs, scale, softcap, DT, part, ws, cap, l2)
     if (dtype == 0) {
         if (D == 64) CB_CALL(64, 0);
         else if (D == 128) CB_CALL(128, 0);
@@ -584,15 +646,21 @@ static void merge_parts(const float *parts, int64_t chunks, int R, int D, int64_
     }
 }
 
-/* impl: 0 = the fastest this build has, 1 = the portable loops, 2 = the AVX2 loops (tests compare
- * them; 2 falls back to the portable loops in a build without AVX2).
- * Returns 0, 1 for bad sizes, 3 when out of memory, 4 for a block table or length outside the cache. */
+/* impl: bits 0-1 pick the loops: 0 = the fastest this build has, 1 = the portable loops, 2 = the AVX2
+ * loops (tests compare them; 2 falls back to the portable loops in a build without AVX2).  Bit 2 (4):
+ * the vector loops prefetch into L2 rather than non-temporally (pf_cursor).
+ * Returns 0, 1 for bad sizes or impl, 3 when out of memory, 4 for a block table or length outside the
+ * cache. */
 int cbgen_paged_decode(const void *q, int64_t q_stride, const void *kc, const void *vc, const int32_t *block_table,
                        int64_t table_stride, int64_t table_width, const int32_t *seq_lens, void *out, int64_t B,
                        int H, int Hkv, int D, int bs, int64_t num_blocks, float scale, int64_t window, float softcap,
                        int dtype, int impl) {
     if (Hkv <= 0 || H % Hkv != 0 || dtype < 0 || dtype > 1 || H > 512 || D <= 0 || D > 2048 || bs <= 0) return 1;
+    if (impl < 0 || impl > 7 || (impl & 3) == 3) return 1;
     if (!tables_in_range(block_table, table_stride, table_width, seq_lens, B, bs, num_blocks)) return 4;
+    const int l2 = (impl & 4) != 0;
+    impl &= 3;
+    (void)l2;
     const int fast = CB_HAVE_FAST && impl == 0 && D % 16 == 0 && D <= 256;
     const int avx2 = CB_HAVE_AVX2 && (impl == 0 || impl == 2) && !fast && D % 8 == 0 && D <= 256;
     (void)fast, (void)avx2; /* unused in builds without the vector loops */
@@ -644,14 +712,14 @@ int cbgen_paged_decode(const void *q, int64_t q_stride, const void *kc, const vo
 #if CB_HAVE_FAST
             if (fast) {
                 decode_task_fast(q, q_stride, kc, vc, table, j0, j1, b, h0, h0 + per, H, Hkv, D, bs, scale, softcap,
-                                 dtype, part, ws, cap);
+                                 dtype, part, ws, cap, l2);
                 continue;
             }
 #endif
 #if CB_HAVE_AVX2
             if (avx2) {
                 decode_task_avx2_any(q, q_stride, kc, vc, table, j0, j1, b, h0, h0 + per, H, Hkv, D, bs, scale, softcap,
-                                     dtype, part, ws, cap);
+                                     dtype, part, ws, cap, l2);
                 continue;
             }
 #endif
