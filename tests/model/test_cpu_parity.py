@@ -167,20 +167,20 @@ def test_parity_linear_rows_do_not_depend_on_the_batch(dtype, shape) -> None:
 
 @pytest.mark.native("avx512bf16")
 def test_bf16_pair_gemm_where_the_cpu_has_it() -> None:
-    """On AVX512-BF16 CPUs bfloat16 products take the pair GEMM (vdpbf16ps over k pairs): its
-    packing puts column n's pair i at lane n % 16 of panel n // 16, and a packed weight of the
-    wrong shape is refused before the kernel runs."""
+    """On AVX512-BF16 CPUs bfloat16 products take the pair GEMM (vdpbf16ps over k pairs, the
+    engine's ``dpbf16`` GEMM without a bias): its packing puts column n's pair i at lane n % 32 of
+    panel n // 32, and a packed weight of the wrong shape is refused before the kernel runs."""
     assert cpu_parity._uses_pairs(torch.bfloat16) and not cpu_parity._uses_pairs(torch.float32)
     w = torch.randn(37, 9).bfloat16()
     packed = parity_pack(w)
-    assert packed.shape == (3, 5, 16, 2)
+    assert packed.shape == (2, 5, 32, 2)
     for n in range(37):
         for i in range(5):
             pair = [w[n, 2 * i], w[n, 2 * i + 1] if 2 * i + 1 < 9 else 0]
-            assert packed[n // 16, i, n % 16].tolist() == [float(v) for v in pair]
-    assert not packed[2, :, 37 - 32 :].any()
-    with pytest.raises(ValueError, match="pairs"):
-        parity_linear(torch.randn(2, 9).bfloat16(), w, packed[:2])
+            assert packed[n // 32, i, n % 32].tolist() == [float(v) for v in pair]
+    assert not packed[1, :, 37 - 32 :].any()
+    with pytest.raises(ValueError, match="panels"):
+        parity_linear(torch.randn(2, 9).bfloat16(), w, packed[:1])
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=IDS)

@@ -242,6 +242,9 @@ C_STEP_CASES = [
     pytest.param(torch.float32, "panel", id="panel-fp32", marks=pytest.mark.native("avx2")),
     pytest.param(torch.bfloat16, "panel", id="panel-bf16", marks=pytest.mark.native("avx2")),
     pytest.param(torch.bfloat16, "panel_bf16", id="panel_bf16-bf16", marks=pytest.mark.native("avx2")),
+    pytest.param(
+        torch.bfloat16, "dpbf16", id="dpbf16-bf16", marks=pytest.mark.native("avx512", "avx512bf16")
+    ),
 ]
 
 

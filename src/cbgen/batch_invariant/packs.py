@@ -2,7 +2,7 @@
 
 Parity mode's matrix products read their weight packed
 (:func:`cbgen.model.kernels.cpu.parity.parity_pack`: panels of 16 columns for the float32 panel GEMM,
-or of 16 columns by k pairs for the bfloat16 pair GEMM).  The trainer side packs each weight as it is
+or of 32 columns by k pairs for the bfloat16 pair GEMM).  The trainer side packs each weight as it is
 used (a copy per call, small next to a training forward over thousands of rows, and no second copy of
 the model held).  The engine reuses the same weights for every step, so it keeps one packed copy per
 weight here, made on first use and dropped whenever the engine sees the weights change.  Packing only

@@ -46,6 +46,7 @@ _SOURCES = [
         "cpu_decoder.c",
         "cpu_gemv.c",
         "cpu_panel.c",
+        "cpu_dpgemm.c",
         "cpu_parity.c",
         "cpu_parity_rows.c",
     )
@@ -145,6 +146,10 @@ def _build() -> ctypes.CDLL:
     lib.cbgen_gemv.argtypes = [ptr, i64, ptr, i64, ptr, ptr, i64, i64, i64, i64, i32]
     lib.cbgen_panel_pack.argtypes = [ptr, i64, i64, i64, i32, ptr, i64, i32]
     lib.cbgen_panel_gemm.argtypes = [ptr, i64, ptr, i64, ptr, ptr, i64, i64, i64, i64, i32, i32]
+    lib.cbgen_dp_pack.argtypes = [ptr, i64, i64, i64, ptr, i64]
+    # x, its stride, packed, its size, bias, out, its stride, M, N, K
+    lib.cbgen_dp_gemm.argtypes = [ptr, i64, ptr, i64, ptr, ptr, i64, i64, i64, i64]
+    lib.cbgen_dp_available.argtypes = []
     # q, q row/head stride, k, v, kv block/slot/head stride, num_blocks, block_size, table, its stride,
     # width, rows, seq_start, row_seq, row_pos, out, out row stride, T, H, Hkv, D, scale, window,
     # softcap, dtype
@@ -165,10 +170,8 @@ def _build() -> ctypes.CDLL:
         i64,
     ]
     lib.cbgen_parity_attention.argtypes += [ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, f32, i64, f32, i32]
-    lib.cbgen_pairs_pack.argtypes = [ptr, i64, i64, i64, ptr, i64]
     # logits, their row stride, rows, vocab, token ids, out, dtype
     lib.cbgen_parity_token_logprobs.argtypes = [ptr, i64, i64, i64, ptr, ptr, i32]
-    lib.cbgen_pairs_gemm.argtypes = [ptr, i64, ptr, i64, ptr, i64, i64, i64, i64]
     # h, its stride, o, its stride, out, its stride, sq, rows, n, dtype
     lib.cbgen_parity_add_square.argtypes = [ptr, i64, ptr, i64, ptr, i64, ptr, i64, i64, i32]
     # x, its stride, var, eps, weight, out, its stride, rows, n, dtype
@@ -192,9 +195,10 @@ def _build() -> ctypes.CDLL:
         lib.cbgen_gemv,
         lib.cbgen_panel_pack,
         lib.cbgen_panel_gemm,
+        lib.cbgen_dp_pack,
+        lib.cbgen_dp_gemm,
+        lib.cbgen_dp_available,
         lib.cbgen_parity_attention,
-        lib.cbgen_pairs_pack,
-        lib.cbgen_pairs_gemm,
         lib.cbgen_parity_token_logprobs,
         lib.cbgen_parity_add_square,
         lib.cbgen_parity_norm_apply,

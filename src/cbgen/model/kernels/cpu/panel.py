@@ -1,10 +1,12 @@
-"""The panel GEMM of ``csrc/cpu_panel.c`` (AVX2 + FMA), wrapped for the measured GEMM choice.
+"""The panel GEMMs of ``csrc/cpu_panel.c`` (AVX2 + FMA) and ``csrc/cpu_dpgemm.c`` (AVX512-BF16),
+wrapped for the measured GEMM choice.
 
 A weight is packed once into panels of 16 output columns (float32, or bfloat16 for a bfloat16
-weight) (:func:`panel_pack`), and
-:func:`panel_linear` computes ``F.linear(x, weight, bias)`` from them for any row count.  It is one
+weight) (:func:`panel_pack`), and :func:`panel_linear` computes ``F.linear(x, weight, bias)`` from
+them for any row count.  A bfloat16 weight can instead be packed into panels of 32 columns by k pairs
+(:func:`dp_pack`) for :func:`dp_linear`, which feeds bf16 straight into vdpbf16ps.  Each is a
 candidate of :mod:`cbgen.model.cpu_fast.gemm_choice`: it runs only where it was timed faster than the
-library GEMMs on this machine.  Both entry points check their arguments before calling into C.
+library GEMMs on this machine.  Every entry point checks its arguments before calling into C.
 """
 
 from __future__ import annotations
@@ -106,4 +108,85 @@ def panel_linear(
     return out
 
 
-__all__ = ["PANEL", "panel_available", "panel_linear", "panel_pack"]
+# The vdpbf16ps GEMM (csrc/cpu_dpgemm.c): bfloat16 weights in panels of 32 columns by k pairs.
+DP_PANEL = 32
+
+
+def dp_available() -> bool:
+    """Whether the vdpbf16ps GEMM runs here: the kernels built for a CPU with AVX512-BF16."""
+    return available() and bool(library().cbgen_dp_available())
+
+
+def dp_packed_shape(n: int, k: int) -> tuple[int, int, int, int]:
+    """The packed shape of an ``[n, k]`` weight: ``[ceil(n / 32), ceil(k / 2), 32, 2]``."""
+    return (-(-n // DP_PANEL), -(-k // 2), DP_PANEL, 2)
+
+
+def dp_pack(weight: torch.Tensor) -> torch.Tensor:
+    """A bfloat16 ``weight [N, K]`` (contiguous rows) as :func:`dp_linear`'s panels (a copy, on huge
+    pages where granted; columns past N and the slot past an odd K are zero)."""
+    if weight.dim() != 2 or weight.dtype != torch.bfloat16:
+        raise ValueError(f"dp_pack: expected a 2-D bfloat16 weight, got {weight.dtype} {tuple(weight.shape)}")
+    n, k = weight.shape
+    check_rows("weight", weight, n, k, weight.dtype)
+    packed = advise_huge_pages(torch.empty(dp_packed_shape(n, k), dtype=torch.bfloat16))
+    rc = library().cbgen_dp_pack(weight.data_ptr(), weight.stride(0), n, k, packed.data_ptr(), packed.numel())
+    if rc:
+        raise ValueError(f"cbgen_dp_pack rejected its sizes (weight [{n}, {k}])")
+    return packed
+
+
+def dp_linear(
+    x: torch.Tensor,
+    packed: torch.Tensor,
+    n: int,
+    bias: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` in bfloat16 from ``packed = dp_pack(weight)`` (``weight`` had
+    ``n`` rows): ``x [M >= 1, K]`` bfloat16 with contiguous rows; float32 sums of exact bf16
+    products, rounded once to bf16 after the bias.  Each output element is one chain over the k pairs
+    in order, whatever M, the tile or the thread.  ``out``: a ``[M, n]`` bf16 tensor with contiguous
+    rows to write into (default: a new one).  Raises RuntimeError where :func:`dp_available` is
+    False."""
+    if x.dim() != 2 or x.shape[0] < 1 or x.dtype != torch.bfloat16:
+        raise ValueError(f"dp_linear: expected a bfloat16 x [M >= 1, K], got {x.dtype} {tuple(x.shape)}")
+    rows, k = x.shape
+    if packed.dtype != torch.bfloat16 or packed.shape != dp_packed_shape(n, k) or not packed.is_contiguous():
+        raise ValueError(f"dp_linear: packed {tuple(packed.shape)} is not a [{n}, {k}] weight's panels")
+    check_rows("x", x, rows, k, x.dtype)
+    if bias is not None:
+        check_rows("bias", bias.view(1, -1), 1, n, x.dtype)
+    if out is None:
+        out = torch.empty((rows, n), dtype=x.dtype)
+    else:
+        check_rows("out", out, rows, n, x.dtype)
+    rc = library().cbgen_dp_gemm(
+        x.data_ptr(),
+        x.stride(0),
+        packed.data_ptr(),
+        packed.numel(),
+        None if bias is None else bias.data_ptr(),
+        out.data_ptr(),
+        out.stride(0),
+        rows,
+        n,
+        k,
+    )
+    if rc:
+        why = "was built without AVX512-BF16" if rc == 2 else "rejected its sizes"
+        raise RuntimeError(f"cbgen_dp_gemm {why} (x {tuple(x.shape)}, weight [{n}, {k}])")
+    return out
+
+
+__all__ = [
+    "DP_PANEL",
+    "PANEL",
+    "dp_available",
+    "dp_linear",
+    "dp_pack",
+    "dp_packed_shape",
+    "panel_available",
+    "panel_linear",
+    "panel_pack",
+]

@@ -15,7 +15,14 @@ import torch
 
 from cbgen.model.kernels.arg_checks import check_rows
 from cbgen.model.kernels.cpu.ops import available, library
-from cbgen.model.kernels.cpu.panel import panel_available, panel_linear, panel_pack
+from cbgen.model.kernels.cpu.panel import (
+    dp_available,
+    dp_linear,
+    dp_pack,
+    panel_available,
+    panel_linear,
+    panel_pack,
+)
 
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 _RC = {1: "rejected its sizes", 2: "was given an index out of range", 3: "could not allocate its scratch"}
@@ -35,44 +42,12 @@ def parity_kernels_available(dtype: torch.dtype) -> bool:
 
 @functools.cache
 def _pairs_run_here() -> bool:
-    """Whether the bfloat16 pair GEMM (AVX512-BF16) runs on this CPU: a probe call."""
-    try:
-        w = torch.ones(1, 1, dtype=torch.bfloat16)
-        return bool(_pairs_linear(w, _pairs_pack(w), 1).item() == 1.0)
-    except RuntimeError:
-        return False
-
-
-def _pairs_pack(weight: torch.Tensor) -> torch.Tensor:
-    n, k = weight.shape
-    check_rows("weight", weight, n, k, torch.bfloat16)
-    packed = torch.empty(((n + 15) // 16, (k + 1) // 2, 16, 2), dtype=torch.bfloat16)
-    rc = library().cbgen_pairs_pack(
-        weight.data_ptr(), weight.stride(0), n, k, packed.data_ptr(), packed.numel()
-    )
-    if rc:
-        raise ValueError(f"cbgen_pairs_pack rejected its sizes (weight [{n}, {k}])")
-    return packed
-
-
-def _pairs_linear(x: torch.Tensor, packed: torch.Tensor, n: int) -> torch.Tensor:
-    rows, k = x.shape
-    check_rows("x", x, rows, k, torch.bfloat16)
-    if packed.shape != ((n + 15) // 16, (k + 1) // 2, 16, 2) or packed.dtype != torch.bfloat16:
-        raise ValueError(f"pairs GEMM: packed {tuple(packed.shape)} is not a [{n}, {k}] weight's pairs")
-    out = torch.empty(rows, n, dtype=torch.bfloat16)
-    rc = library().cbgen_pairs_gemm(
-        x.data_ptr(), x.stride(0), packed.data_ptr(), packed.numel(), out.data_ptr(), n, rows, n, k
-    )
-    if rc:
-        raise RuntimeError(
-            f"cbgen_pairs_gemm {'was built without AVX512-BF16' if rc == 2 else 'rejected its sizes'}"
-        )
-    return out
+    return dp_available()
 
 
 def _uses_pairs(dtype: torch.dtype) -> bool:
-    # bfloat16 products on AVX512-BF16 CPUs: the pair GEMM; everything else: the float32 panel GEMM.
+    # bfloat16 products on AVX512-BF16 CPUs: the pair GEMM (the vdpbf16ps GEMM of csrc/cpu_dpgemm.c,
+    # without a bias); everything else: the float32 panel GEMM.
     return dtype == torch.bfloat16 and _pairs_run_here()
 
 
@@ -84,14 +59,14 @@ def gemm_name(dtype: torch.dtype) -> str:
 def parity_pack(weight: torch.Tensor) -> torch.Tensor:
     """``weight [N, K]`` packed for :func:`parity_linear` on products of its dtype (exact: the values
     are only rearranged, or widened)."""
-    return _pairs_pack(weight) if _uses_pairs(weight.dtype) else panel_pack(weight)
+    return dp_pack(weight) if _uses_pairs(weight.dtype) else panel_pack(weight)
 
 
 def parity_linear(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | None = None) -> torch.Tensor:
     """``x [M, K] @ weight [N, K]^T`` (one dtype, float32 or bfloat16) from ``packed =
     parity_pack(weight)`` when given, else packing ``weight`` for this call.  Each output element is
     one fixed chain over k whatever M, rounded once to x's dtype: for bfloat16 on a CPU with
-    AVX512-BF16, ``vdpbf16ps`` steps over the k pairs in order (``csrc/cpu_parity.c``); otherwise
+    AVX512-BF16, ``vdpbf16ps`` steps over the k pairs in order (``csrc/cpu_dpgemm.c``); otherwise
     the panel GEMM's fused multiply-adds over k = 0, 1, ..., K - 1 in float32 (``csrc/cpu_panel.c``:
     one accumulator lane per element, K never split)."""
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
@@ -115,7 +90,7 @@ def parity_linear_packed(x: torch.Tensor, packed: torch.Tensor | None, n: int) -
     if packed is None:
         raise ValueError("parity_linear_packed: no packed weight")
     if _uses_pairs(x.dtype):
-        return _pairs_linear(x, packed, n)
+        return dp_linear(x, packed, n)
     return panel_linear(x, packed, n)
 
 
