@@ -153,108 +153,131 @@ def test_engine_with_panel_for_every_row_class_equals_generate(monkeypatch, pane
     compare(model, prompts, got, [hf_greedy(model, p, m) for p, m in zip(prompts, lengths)])
 
 
-# The vdpbf16ps GEMM (csrc/cpu_dpgemm.c): bfloat16 panels of 32 columns by k pairs.
-dp_native = pytest.mark.native("avx512", "avx512bf16")
+# The AVX-512 panel GEMMs (csrc/cpu_panel512.c): panels of 32 columns, float32 by k, bfloat16 by k
+# pairs through vdpbf16ps.
+P512 = [
+    pytest.param(torch.float32, "panel512", id="fp32", marks=pytest.mark.native("avx512")),
+    pytest.param(torch.bfloat16, "dpbf16", id="bf16", marks=pytest.mark.native("avx512", "avx512bf16")),
+]
 
 
-@dp_native
-def test_dp_pack_layout(panel) -> None:
-    """Column n's pair i is lane n % 32 of panel n // 32; the slot past an odd K and the columns
-    past N are zero; only bfloat16 weights pack."""
-    weight = torch.randn(37, 9).bfloat16()
-    packed = panel.dp_pack(weight)
-    assert packed.shape == (2, 5, 32, 2) == panel.dp_packed_shape(37, 9)
+@pytest.mark.parametrize(("dtype", "name"), P512)
+def test_panel512_pack_layout(panel, dtype, name) -> None:
+    """float32: column n at lane n % 32 of panel n // 32, per k; bfloat16: column n's pair i at lane
+    n % 32 of pair row i.  The slot past an odd K and the columns past N are zero; the weight keeps
+    its dtype."""
+    weight = torch.randn(37, 9).to(dtype)
+    packed = panel.panel512_pack(weight)
+    assert packed.dtype == dtype and packed.shape == panel.panel512_shape(37, 9, dtype)
     for n in range(37):
-        for i in range(5):
-            pair = [weight[n, 2 * i], weight[n, 2 * i + 1] if 2 * i + 1 < 9 else 0]
-            assert packed[n // 32, i, n % 32].tolist() == [float(v) for v in pair]
+        if dtype == torch.float32:
+            assert torch.equal(packed[n // 32, :, n % 32], weight[n])
+        else:
+            for i in range(5):
+                pair = [weight[n, 2 * i], weight[n, 2 * i + 1] if 2 * i + 1 < 9 else 0]
+                assert packed[n // 32, i, n % 32].tolist() == [float(v) for v in pair]
     assert not packed[1, :, 37 - 32 :].any()
-    with pytest.raises(ValueError):
-        panel.dp_pack(torch.randn(37, 9))
 
 
-@dp_native
+@pytest.mark.parametrize(("dtype", "name"), P512)
 @pytest.mark.parametrize(("n", "k"), [(203, 576), (64, 1536), (48, 37), (32, 8), (5, 1)])
-def test_dp_equals_f_linear(panel, n: int, k: int) -> None:
-    """Row counts on both sides of the 12-row tile and the 192-row chunk, widths on and off the
-    32-column panel, odd K, with and without bias, x rows at a stride, into a given ``out``."""
+def test_panel512_equals_f_linear(panel, dtype, name, n: int, k: int) -> None:
+    """Row counts on both sides of the 14-row tile and the 192-row chunk, widths on and off the
+    32-column panel (masked stores), odd K, with and without bias, x rows at a stride, and into a
+    given ``out`` (nothing written outside it)."""
     gen = torch.Generator().manual_seed(n * k)
-    weight = torch.randn(n, k, generator=gen).bfloat16()
-    bias = torch.randn(n, generator=gen).bfloat16()
-    packed = panel.dp_pack(weight)
-    wide = torch.randn(400, k + 3, generator=gen).bfloat16()
-    for rows in (1, 5, 11, 12, 13, 64, 191, 192, 193, 400):
+    weight = torch.randn(n, k, generator=gen).to(dtype)
+    bias = torch.randn(n, generator=gen).to(dtype)
+    packed = panel.panel512_pack(weight)
+    wide = torch.randn(400, k + 3, generator=gen).to(dtype)
+    tol = 1e-4 if dtype == torch.float32 else 2e-2  # sums in another order; bf16: one output rounding
+    for rows in (1, 5, 13, 14, 15, 64, 191, 192, 193, 400):
         x = wide[:rows, :k]
         for b in (None, bias):
-            got = panel.dp_linear(x, packed, n, b)
-            assert got.dtype == torch.bfloat16 and got.shape == (rows, n)
+            got = panel.panel512_linear(x, packed, n, b)
+            assert got.dtype == dtype and got.shape == (rows, n)
             expected = nn.functional.linear(x.float(), weight.float(), None if b is None else b.float())
-            # float32 sums in another order, one bf16 rounding of the output
-            torch.testing.assert_close(got.float(), expected, atol=2e-2 * max(1, k**0.5), rtol=2e-2)
-    into = torch.full((7, n + 5), 7.0).bfloat16()
-    panel.dp_linear(wide[:6, :k], packed, n, bias, out=into[:6, :n])
-    assert torch.equal(into[:6, :n], panel.dp_linear(wide[:6, :k], packed, n, bias))
-    assert (into[6] == 7).all() and (into[:, n:] == 7).all()  # nothing written outside out
+            torch.testing.assert_close(got.float(), expected, atol=tol * max(1, k**0.5), rtol=tol)
+    into = torch.full((7, n + 5), 7.0).to(dtype)
+    panel.panel512_linear(wide[:6, :k], packed, n, bias, out=into[:6, :n])
+    assert torch.equal(into[:6, :n], panel.panel512_linear(wide[:6, :k], packed, n, bias))
+    assert (into[6] == 7).all() and (into[:, n:] == 7).all()
 
 
-@dp_native
-def test_dp_rows_do_not_depend_on_the_batch(panel) -> None:
-    """Each output element is one chain over the k pairs: a row alone, in a 12-row tile or at any
-    place of a large batch gets the same bits (what parity mode's bfloat16 products rely on)."""
+@pytest.mark.parametrize(("dtype", "name"), P512)
+def test_panel512_rows_do_not_depend_on_the_batch(panel, dtype, name) -> None:
+    """Each output element is one chain over k (bf16: over k pairs): a row alone, in a tile or at any
+    place of a large batch gets the same bits (what parity mode's bfloat16 products rely on).  The
+    float32 chain is the AVX2 panel GEMM's, FMA by FMA: the same bits as it too."""
     gen = torch.Generator().manual_seed(5)
-    weight = torch.randn(70, 301, generator=gen).bfloat16()
-    packed = panel.dp_pack(weight)
-    x = torch.randn(250, 301, generator=gen).bfloat16()
-    whole = panel.dp_linear(x, packed, 70)
-    for r in (0, 11, 12, 191, 192, 249):
-        assert torch.equal(panel.dp_linear(x[r : r + 1].clone(), packed, 70), whole[r : r + 1])
+    weight = torch.randn(70, 301, generator=gen).to(dtype)
+    packed = panel.panel512_pack(weight)
+    x = torch.randn(250, 301, generator=gen).to(dtype)
+    whole = panel.panel512_linear(x, packed, 70)
+    for r in (0, 13, 14, 191, 192, 249):
+        assert torch.equal(panel.panel512_linear(x[r : r + 1].clone(), packed, 70), whole[r : r + 1])
+    if dtype == torch.float32:
+        assert torch.equal(whole, panel.panel_linear(x, panel.panel_pack(weight), 70))
 
 
-@dp_native
-def test_dp_refuses_what_it_cannot_take(panel) -> None:
-    weight = torch.randn(40, 24).bfloat16()
-    packed = panel.dp_pack(weight)
+@pytest.mark.parametrize(("dtype", "name"), P512)
+def test_panel512_refuses_what_it_cannot_take(panel, dtype, name) -> None:
+    weight = torch.randn(40, 24).to(dtype)
+    packed = panel.panel512_pack(weight)
+    other = torch.float32 if dtype == torch.bfloat16 else torch.bfloat16
     for bad in (
-        lambda: panel.dp_linear(torch.zeros(0, 24).bfloat16(), packed, 40),  # no rows
-        lambda: panel.dp_linear(torch.zeros(3, 25).bfloat16(), packed, 40),  # width differs
-        lambda: panel.dp_linear(torch.zeros(3, 24).bfloat16(), packed, 65),  # more columns than packed
-        lambda: panel.dp_linear(torch.zeros(24, 3).bfloat16().t(), packed, 40),  # column-major x
-        lambda: panel.dp_linear(torch.zeros(3, 24).bfloat16(), packed, 40, torch.zeros(39).bfloat16()),
-        lambda: panel.dp_linear(torch.zeros(3, 24), packed, 40),  # float32 x
-        lambda: panel.dp_linear(torch.zeros(3, 24).bfloat16(), packed, 40, out=torch.empty(3, 39).bfloat16()),
+        lambda: panel.panel512_linear(torch.zeros(0, 24, dtype=dtype), packed, 40),  # no rows
+        lambda: panel.panel512_linear(torch.zeros(3, 25, dtype=dtype), packed, 40),  # width differs
+        lambda: panel.panel512_linear(torch.zeros(3, 24, dtype=dtype), packed, 65),  # more columns
+        lambda: panel.panel512_linear(torch.zeros(24, 3, dtype=dtype).t(), packed, 40),  # column-major
+        lambda: panel.panel512_linear(
+            torch.zeros(3, 24, dtype=dtype), packed, 40, torch.zeros(39, dtype=dtype)
+        ),
+        lambda: panel.panel512_linear(torch.zeros(3, 24, dtype=other), packed, 40),  # x of another dtype
+        lambda: panel.panel512_linear(
+            torch.zeros(3, 24, dtype=dtype), packed, 40, out=torch.empty(3, 39, dtype=dtype)
+        ),
+        lambda: panel.panel512_pack(torch.randn(40, 24, dtype=torch.float16)),
     ):
         with pytest.raises(ValueError):
             bad()
     from cbgen.model.kernels.cpu.ops import library
 
-    x, out = torch.zeros(3, 24).bfloat16(), torch.empty(3, 40).bfloat16()
     lib = library()
+    gemm, pack = (
+        (lib.cbgen_p512_gemm, lib.cbgen_p512_pack)
+        if dtype == torch.float32
+        else (lib.cbgen_dp_gemm, lib.cbgen_dp_pack)
+    )
+    x, out = torch.zeros(3, 24, dtype=dtype), torch.empty(3, 40, dtype=dtype)
     args = [x.data_ptr(), 24, packed.data_ptr(), packed.numel() - 1, None, out.data_ptr(), 40, 3, 40, 24]
-    assert lib.cbgen_dp_gemm(*args) == 1  # a packed size that does not match: refused before any read
+    assert gemm(*args) == 1  # a packed size that does not match: refused before any read
     args[3], args[1] = packed.numel(), 23  # x rows shorter than K
-    assert lib.cbgen_dp_gemm(*args) == 1
-    assert lib.cbgen_dp_pack(weight.data_ptr(), 24, 40, 24, packed.data_ptr(), packed.numel() + 64) == 1
+    assert gemm(*args) == 1
+    assert pack(weight.data_ptr(), 24, 40, 24, packed.data_ptr(), packed.numel() + 64) == 1
 
 
-@dp_native
-def test_dp_is_a_gemm_candidate_and_the_engine_equals_generate(monkeypatch, panel) -> None:
-    """bfloat16 only; with every row class forced onto it (prefill chunks, batched and single-row
-    decode steps, the one-call C step), greedy tokens equal bf16 ``generate()`` under the bf16
-    near-tie rule of ``tests/oracle.py``, on a model wide enough for whole panels and tiles."""
+@pytest.mark.parametrize(("dtype", "name"), P512)
+def test_panel512_is_a_gemm_candidate_and_the_engine_equals_generate(monkeypatch, panel, dtype, name) -> None:
+    """A candidate for its own dtype only; with every row class forced onto it (prefill chunks,
+    batched and single-row decode steps, the one-call C step), greedy tokens equal ``generate()``
+    (bf16: under the bf16 near-tie rule of ``tests/oracle.py``) on a model wide enough for whole
+    panels and tiles."""
     from cbgen import LLM, SamplingParams
     from cbgen.model.cpu_fast import gemm_choice
-    from oracle import BF16, compare, hf_greedy
+    from oracle import BF16, FP32, compare, hf_greedy
     from tiny_models import make_prompts, make_wide_model
 
-    assert "dpbf16" in gemm_choice.candidates(torch.bfloat16)
-    assert "dpbf16" not in gemm_choice.candidates(torch.float32)
-    monkeypatch.setenv("CBGEN_GEMM", "dpbf16")
-    model = make_wide_model("llama", dtype=torch.bfloat16)
+    other = torch.float32 if dtype == torch.bfloat16 else torch.bfloat16
+    assert name in gemm_choice.candidates(dtype) and name not in gemm_choice.candidates(other)
+    monkeypatch.setenv("CBGEN_GEMM", name)
+    model = make_wide_model("llama", dtype=dtype)
     prompts = make_prompts(6, (4, 40), vocab=model.config.vocab_size, seed=4)
     llm = LLM(model, block_size=8, max_num_batched_tokens=64)
     plan = llm.engine.runner.plan
-    assert plan.gemms.names() == dict.fromkeys(gemm_choice.ROW_CLASSES, "dpbf16")
+    assert plan.gemms.names() == dict.fromkeys(gemm_choice.ROW_CLASSES, name)
     assert plan.c_step == frozenset(gemm_choice.ROW_CLASSES)
     outs = llm.generate(prompts, SamplingParams(max_tokens=8, temperature=0.0), use_tqdm=False)
     refs = [hf_greedy(model, p, 8) for p in prompts]
-    compare(model, prompts, [o.outputs[0].token_ids for o in outs], refs, rule=BF16)
+    rule = FP32 if dtype == torch.float32 else BF16
+    compare(model, prompts, [o.outputs[0].token_ids for o in outs], refs, rule=rule)

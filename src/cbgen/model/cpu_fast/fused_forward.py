@@ -190,8 +190,8 @@ def _c_step_gemm_reason(modules: ModelModules, gemm: str) -> str | None:
     """Why the C step cannot call ``gemm`` for this model's projections (None when it can)."""
     if gemm not in cpu_decoder.GEMMS:
         return f"{gemm} has no C form"
-    if gemm == "dpbf16" and modules.dtype != torch.bfloat16:
-        return "the vdpbf16ps GEMM takes bfloat16 weights"
+    if (gemm, modules.dtype) in (("dpbf16", torch.float32), ("panel512", torch.bfloat16)):
+        return f"{gemm} does not take {modules.dtype} weights"
     if gemm == "amx":
         if modules.dtype != torch.bfloat16 or not cpu_amx.amx_available():
             return "AMX needs bfloat16 weights and a CPU with AMX"
@@ -334,7 +334,7 @@ class FusedDecoder:
         every GEMM is plain and the Python loop runs)."""
         if gemm not in cpu_decoder.GEMMS or mods.dtype not in (torch.float32, torch.bfloat16):
             return None
-        if gemm == "dpbf16" and mods.dtype != torch.bfloat16:
+        if (gemm, mods.dtype) in (("dpbf16", torch.float32), ("panel512", torch.bfloat16)):
             return None
         if gemm == "amx" and (mods.dtype != torch.bfloat16 or not cpu_amx.amx_available()):
             return None

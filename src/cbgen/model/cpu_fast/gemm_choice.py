@@ -13,9 +13,10 @@ projection weights, once per machine, and remembers the answer on disk.
   ``panel`` (float32 and bfloat16, our register-blocked C GEMM on float32 panels of 16 weight
   columns, where the CPU has AVX2 + FMA: on an AMD EPYC with AVX2 only it ran decode-sized GEMMs
   1.2-1.5x faster than oneDNN), ``panel_bf16`` (the same on bfloat16 panels: half the bytes,
-  more vector work per FMA) and ``dpbf16`` (bfloat16, our vdpbf16ps GEMM, where the CPU has
-  AVX512-BF16: on an AMD EPYC Zen 4 it ran decode-sized GEMMs as fast as oneDNN and single rows
-  1.3x faster, and unlike oneDNN the one-call C decode step can call it).
+  more vector work per FMA), and our AVX-512 panel GEMMs of 32 columns: ``panel512`` (float32) and
+  ``dpbf16`` (bfloat16 through vdpbf16ps, where the CPU has AVX512-BF16).  On an AMD EPYC Zen 4
+  those ran decode-sized GEMMs 3-5% faster than oneDNN (bf16 single rows 1.3x), and unlike oneDNN
+  the one-call C decode step can call them.
   A candidate that fails on a small probe is dropped.
 * Row classes: ``single`` steps (one row: a sequence decoding alone), ``decode`` steps (at most
   ``SPLIT_ROWS`` rows, timed at ``DECODE_ROWS``) and ``prefill`` steps (more rows, timed at
@@ -143,18 +144,18 @@ def _panel(panel_dtype: torch.dtype) -> Candidate:
     return Candidate(name, lambda w: cpu_panel.panel_pack(w, panel_dtype), apply)
 
 
-def _dpbf16() -> Candidate:
+def _panel512(dtype: torch.dtype) -> Candidate:
     from cbgen.model.kernels.cpu import panel as cpu_panel
 
-    if not cpu_panel.dp_available():
-        raise RuntimeError("the vdpbf16ps GEMM needs the C kernels built for a CPU with AVX512-BF16")
+    if not cpu_panel.panel512_available(dtype):
+        raise RuntimeError(f"the AVX-512 panel GEMM for {dtype} needs the C kernels built for that CPU")
 
     def apply(x, packed, weight, bias):
-        if x.shape[0] < 1 or x.dtype != torch.bfloat16:
+        if x.shape[0] < 1 or x.dtype != dtype:
             return None  # zero rows (an LM head with nothing to sample): plain F.linear
-        return cpu_panel.dp_linear(x, packed, weight.shape[0], bias)
+        return cpu_panel.panel512_linear(x, packed, weight.shape[0], bias)
 
-    return Candidate("dpbf16", cpu_panel.dp_pack, apply)
+    return Candidate("panel512" if dtype == torch.float32 else "dpbf16", cpu_panel.panel512_pack, apply)
 
 
 def candidates(dtype: torch.dtype) -> dict[str, Candidate]:
@@ -175,7 +176,9 @@ def candidates(dtype: torch.dtype) -> dict[str, Candidate]:
     if dtype in (torch.float32, torch.bfloat16):
         makers.extend((_gemv, functools.partial(_panel, torch.float32)))
     if dtype == torch.bfloat16:
-        makers.extend((functools.partial(_panel, torch.bfloat16), _dpbf16))
+        makers.append(functools.partial(_panel, torch.bfloat16))
+    if dtype in (torch.float32, torch.bfloat16):
+        makers.append(functools.partial(_panel512, dtype))
     gen = torch.Generator().manual_seed(0)  # never the global RNG: a trainer's seeds stay its own
     weight = torch.randn(64, 64, generator=gen).to(dtype)
     for make in makers:

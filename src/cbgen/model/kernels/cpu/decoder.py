@@ -3,7 +3,7 @@
 Every decoder layer of a decode step (projections, rotary embedding, KV store, paged attention,
 residual adds and norms) runs in one call, on the projection GEMM the step would use anyway: AMX
 (bf16, CPUs with AMX), the panel GEMM (float32 or bf16, CPUs with AVX2; ``csrc/cpu_panel.c``) or
-the vdpbf16ps GEMM (bf16, CPUs with AVX512-BF16; ``csrc/cpu_dpgemm.c``).
+the AVX-512 panel GEMMs (``csrc/cpu_panel512.c``: float32, and bf16 through vdpbf16ps).
 The layer-record layout is written once, in C, and read from the library (:class:`DecoderLayout`).
 """
 
@@ -18,7 +18,7 @@ from cbgen.model.kernels.arg_checks import check_rows
 from cbgen.model.kernels.cpu.ops import library
 
 # The projection kernels the C step calls, by GEMM candidate name (its ``gemm`` argument).
-GEMMS = {"amx": 0, "panel": 1, "panel_bf16": 2, "dpbf16": 3}
+GEMMS = {"amx": 0, "panel": 1, "panel_bf16": 2, "dpbf16": 3, "panel512": 4}
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 _layout: DecoderLayout | None = None
 

@@ -46,7 +46,7 @@ _SOURCES = [
         "cpu_decoder.c",
         "cpu_gemv.c",
         "cpu_panel.c",
-        "cpu_dpgemm.c",
+        "cpu_panel512.c",
         "cpu_parity.c",
         "cpu_parity_rows.c",
     )
@@ -146,10 +146,12 @@ def _build() -> ctypes.CDLL:
     lib.cbgen_gemv.argtypes = [ptr, i64, ptr, i64, ptr, ptr, i64, i64, i64, i64, i32]
     lib.cbgen_panel_pack.argtypes = [ptr, i64, i64, i64, i32, ptr, i64, i32]
     lib.cbgen_panel_gemm.argtypes = [ptr, i64, ptr, i64, ptr, ptr, i64, i64, i64, i64, i32, i32]
+    lib.cbgen_p512_pack.argtypes = [ptr, i64, i64, i64, ptr, i64]
     lib.cbgen_dp_pack.argtypes = [ptr, i64, i64, i64, ptr, i64]
     # x, its stride, packed, its size, bias, out, its stride, M, N, K
+    lib.cbgen_p512_gemm.argtypes = [ptr, i64, ptr, i64, ptr, ptr, i64, i64, i64, i64]
     lib.cbgen_dp_gemm.argtypes = [ptr, i64, ptr, i64, ptr, ptr, i64, i64, i64, i64]
-    lib.cbgen_dp_available.argtypes = []
+    lib.cbgen_p512_built.argtypes = []
     # q, q row/head stride, k, v, kv block/slot/head stride, num_blocks, block_size, table, its stride,
     # width, rows, seq_start, row_seq, row_pos, out, out row stride, T, H, Hkv, D, scale, window,
     # softcap, dtype
@@ -195,9 +197,11 @@ def _build() -> ctypes.CDLL:
         lib.cbgen_gemv,
         lib.cbgen_panel_pack,
         lib.cbgen_panel_gemm,
+        lib.cbgen_p512_pack,
+        lib.cbgen_p512_gemm,
         lib.cbgen_dp_pack,
         lib.cbgen_dp_gemm,
-        lib.cbgen_dp_available,
+        lib.cbgen_p512_built,
         lib.cbgen_parity_attention,
         lib.cbgen_parity_token_logprobs,
         lib.cbgen_parity_add_square,

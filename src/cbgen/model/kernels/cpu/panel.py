@@ -1,10 +1,11 @@
-"""The panel GEMMs of ``csrc/cpu_panel.c`` (AVX2 + FMA) and ``csrc/cpu_dpgemm.c`` (AVX512-BF16),
+"""The panel GEMMs of ``csrc/cpu_panel.c`` (AVX2 + FMA) and ``csrc/cpu_panel512.c`` (AVX512-BF16),
 wrapped for the measured GEMM choice.
 
 A weight is packed once into panels of 16 output columns (float32, or bfloat16 for a bfloat16
 weight) (:func:`panel_pack`), and :func:`panel_linear` computes ``F.linear(x, weight, bias)`` from
-them for any row count.  A bfloat16 weight can instead be packed into panels of 32 columns by k pairs
-(:func:`dp_pack`) for :func:`dp_linear`, which feeds bf16 straight into vdpbf16ps.  Each is a
+them for any row count.  On AVX-512 CPUs a weight can instead be packed into panels of 32 columns
+(:func:`panel512_pack`, bfloat16 by k pairs) for :func:`panel512_linear`, whose bfloat16 form feeds
+bf16 straight into vdpbf16ps.  Each is a
 candidate of :mod:`cbgen.model.cpu_fast.gemm_choice`: it runs only where it was timed faster than the
 library GEMMs on this machine.  Every entry point checks its arguments before calling into C.
 """
@@ -108,52 +109,63 @@ def panel_linear(
     return out
 
 
-# The vdpbf16ps GEMM (csrc/cpu_dpgemm.c): bfloat16 weights in panels of 32 columns by k pairs.
-DP_PANEL = 32
+# The AVX-512 panel GEMMs (csrc/cpu_panel512.c): panels of 32 columns, float32 by k, bfloat16 by k
+# pairs (vdpbf16ps).
+PANEL512 = 32
 
 
-def dp_available() -> bool:
-    """Whether the vdpbf16ps GEMM runs here: the kernels built for a CPU with AVX512-BF16."""
-    return available() and bool(library().cbgen_dp_available())
+def panel512_available(dtype: torch.dtype) -> bool:
+    """Whether the AVX-512 panel GEMM for ``dtype`` runs here: the kernels built for a CPU with
+    AVX-512 (float32) or AVX512-BF16 (bfloat16)."""
+    if dtype not in _DTYPES or not available():
+        return False
+    return bool(int(library().cbgen_p512_built()) & (1 << _DTYPES[dtype]))
 
 
-def dp_packed_shape(n: int, k: int) -> tuple[int, int, int, int]:
-    """The packed shape of an ``[n, k]`` weight: ``[ceil(n / 32), ceil(k / 2), 32, 2]``."""
-    return (-(-n // DP_PANEL), -(-k // 2), DP_PANEL, 2)
+def panel512_shape(n: int, k: int, dtype: torch.dtype) -> tuple[int, ...]:
+    """The packed shape of an ``[n, k]`` weight: float32 ``[ceil(n / 32), k, 32]``, bfloat16
+    ``[ceil(n / 32), ceil(k / 2), 32, 2]``."""
+    panels = -(-n // PANEL512)
+    return (panels, k, PANEL512) if dtype == torch.float32 else (panels, -(-k // 2), PANEL512, 2)
 
 
-def dp_pack(weight: torch.Tensor) -> torch.Tensor:
-    """A bfloat16 ``weight [N, K]`` (contiguous rows) as :func:`dp_linear`'s panels (a copy, on huge
-    pages where granted; columns past N and the slot past an odd K are zero)."""
-    if weight.dim() != 2 or weight.dtype != torch.bfloat16:
-        raise ValueError(f"dp_pack: expected a 2-D bfloat16 weight, got {weight.dtype} {tuple(weight.shape)}")
+def panel512_pack(weight: torch.Tensor) -> torch.Tensor:
+    """A float32 or bfloat16 ``weight [N, K]`` (contiguous rows) as :func:`panel512_linear`'s panels,
+    in its own dtype (a copy, on huge pages where granted; columns past N and the slot past an odd K
+    are zero)."""
+    if weight.dim() != 2:
+        raise ValueError(f"panel512_pack: expected a 2-D weight, got {tuple(weight.shape)}")
     n, k = weight.shape
+    _dtype(weight)
     check_rows("weight", weight, n, k, weight.dtype)
-    packed = advise_huge_pages(torch.empty(dp_packed_shape(n, k), dtype=torch.bfloat16))
-    rc = library().cbgen_dp_pack(weight.data_ptr(), weight.stride(0), n, k, packed.data_ptr(), packed.numel())
-    if rc:
-        raise ValueError(f"cbgen_dp_pack rejected its sizes (weight [{n}, {k}])")
+    packed = advise_huge_pages(torch.empty(panel512_shape(n, k, weight.dtype), dtype=weight.dtype))
+    pack = library().cbgen_p512_pack if weight.dtype == torch.float32 else library().cbgen_dp_pack
+    if pack(weight.data_ptr(), weight.stride(0), n, k, packed.data_ptr(), packed.numel()):
+        raise ValueError(f"panel512_pack rejected its sizes (weight [{n}, {k}])")
     return packed
 
 
-def dp_linear(
+def panel512_linear(
     x: torch.Tensor,
     packed: torch.Tensor,
     n: int,
     bias: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """``F.linear(x, weight, bias)`` in bfloat16 from ``packed = dp_pack(weight)`` (``weight`` had
-    ``n`` rows): ``x [M >= 1, K]`` bfloat16 with contiguous rows; float32 sums of exact bf16
-    products, rounded once to bf16 after the bias.  Each output element is one chain over the k pairs
-    in order, whatever M, the tile or the thread.  ``out``: a ``[M, n]`` bf16 tensor with contiguous
-    rows to write into (default: a new one).  Raises RuntimeError where :func:`dp_available` is
-    False."""
-    if x.dim() != 2 or x.shape[0] < 1 or x.dtype != torch.bfloat16:
-        raise ValueError(f"dp_linear: expected a bfloat16 x [M >= 1, K], got {x.dtype} {tuple(x.shape)}")
+    """``F.linear(x, weight, bias)`` from ``packed = panel512_pack(weight)`` (``weight`` had ``n``
+    rows, of x's dtype): ``x [M >= 1, K]`` float32 or bfloat16 with contiguous rows.  Sums in float32
+    (bfloat16: exact products of pairs, through vdpbf16ps), the output in x's dtype, rounded once
+    after the bias.  Each output element is one chain over k in order, whatever M, the tile or the
+    thread.  ``out``: a ``[M, n]`` tensor with contiguous rows to write into (default: a new one).
+    Raises RuntimeError where :func:`panel512_available` is False."""
+    if x.dim() != 2 or x.shape[0] < 1:
+        raise ValueError(f"panel512_linear: expected x [M >= 1, K], got {tuple(x.shape)}")
     rows, k = x.shape
-    if packed.dtype != torch.bfloat16 or packed.shape != dp_packed_shape(n, k) or not packed.is_contiguous():
-        raise ValueError(f"dp_linear: packed {tuple(packed.shape)} is not a [{n}, {k}] weight's panels")
+    _dtype(x)
+    if packed.dtype != x.dtype or packed.shape != panel512_shape(n, k, x.dtype) or not packed.is_contiguous():
+        raise ValueError(
+            f"panel512_linear: packed {tuple(packed.shape)} is not a [{n}, {k}] {x.dtype} weight's panels"
+        )
     check_rows("x", x, rows, k, x.dtype)
     if bias is not None:
         check_rows("bias", bias.view(1, -1), 1, n, x.dtype)
@@ -161,7 +173,8 @@ def dp_linear(
         out = torch.empty((rows, n), dtype=x.dtype)
     else:
         check_rows("out", out, rows, n, x.dtype)
-    rc = library().cbgen_dp_gemm(
+    gemm = library().cbgen_p512_gemm if x.dtype == torch.float32 else library().cbgen_dp_gemm
+    rc = gemm(
         x.data_ptr(),
         x.stride(0),
         packed.data_ptr(),
@@ -174,18 +187,18 @@ def dp_linear(
         k,
     )
     if rc:
-        why = "was built without AVX512-BF16" if rc == 2 else "rejected its sizes"
-        raise RuntimeError(f"cbgen_dp_gemm {why} (x {tuple(x.shape)}, weight [{n}, {k}])")
+        why = "was built without AVX-512 for this dtype" if rc == 2 else "rejected its sizes"
+        raise RuntimeError(f"the AVX-512 panel GEMM {why} (x {tuple(x.shape)}, weight [{n}, {k}])")
     return out
 
 
 __all__ = [
-    "DP_PANEL",
     "PANEL",
-    "dp_available",
-    "dp_linear",
-    "dp_pack",
-    "dp_packed_shape",
+    "PANEL512",
+    "panel512_available",
+    "panel512_linear",
+    "panel512_pack",
+    "panel512_shape",
     "panel_available",
     "panel_linear",
     "panel_pack",

@@ -16,9 +16,9 @@ import torch
 from cbgen.model.kernels.arg_checks import check_rows
 from cbgen.model.kernels.cpu.ops import available, library
 from cbgen.model.kernels.cpu.panel import (
-    dp_available,
-    dp_linear,
-    dp_pack,
+    panel512_available,
+    panel512_linear,
+    panel512_pack,
     panel_available,
     panel_linear,
     panel_pack,
@@ -42,11 +42,11 @@ def parity_kernels_available(dtype: torch.dtype) -> bool:
 
 @functools.cache
 def _pairs_run_here() -> bool:
-    return dp_available()
+    return panel512_available(torch.bfloat16)
 
 
 def _uses_pairs(dtype: torch.dtype) -> bool:
-    # bfloat16 products on AVX512-BF16 CPUs: the pair GEMM (the vdpbf16ps GEMM of csrc/cpu_dpgemm.c,
+    # bfloat16 products on AVX512-BF16 CPUs: the pair GEMM (the vdpbf16ps GEMM of csrc/cpu_panel512.c,
     # without a bias); everything else: the float32 panel GEMM.
     return dtype == torch.bfloat16 and _pairs_run_here()
 
@@ -59,14 +59,14 @@ def gemm_name(dtype: torch.dtype) -> str:
 def parity_pack(weight: torch.Tensor) -> torch.Tensor:
     """``weight [N, K]`` packed for :func:`parity_linear` on products of its dtype (exact: the values
     are only rearranged, or widened)."""
-    return dp_pack(weight) if _uses_pairs(weight.dtype) else panel_pack(weight)
+    return panel512_pack(weight) if _uses_pairs(weight.dtype) else panel_pack(weight)
 
 
 def parity_linear(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | None = None) -> torch.Tensor:
     """``x [M, K] @ weight [N, K]^T`` (one dtype, float32 or bfloat16) from ``packed =
     parity_pack(weight)`` when given, else packing ``weight`` for this call.  Each output element is
     one fixed chain over k whatever M, rounded once to x's dtype: for bfloat16 on a CPU with
-    AVX512-BF16, ``vdpbf16ps`` steps over the k pairs in order (``csrc/cpu_dpgemm.c``); otherwise
+    AVX512-BF16, ``vdpbf16ps`` steps over the k pairs in order (``csrc/cpu_panel512.c``); otherwise
     the panel GEMM's fused multiply-adds over k = 0, 1, ..., K - 1 in float32 (``csrc/cpu_panel.c``:
     one accumulator lane per element, K never split)."""
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
@@ -90,7 +90,7 @@ def parity_linear_packed(x: torch.Tensor, packed: torch.Tensor | None, n: int) -
     if packed is None:
         raise ValueError("parity_linear_packed: no packed weight")
     if _uses_pairs(x.dtype):
-        return dp_linear(x, packed, n)
+        return panel512_linear(x, packed, n)
     return panel_linear(x, packed, n)
 
 

@@ -11,7 +11,8 @@
  * the projections and so what the weight pointers point to: 0 = AMX (bf16 only; amx_pack layouts,
  * csrc/cpu_gemm.c), 1 = the panel GEMM on float32 panels, 2 = the panel GEMM on bf16 panels
  * (cbgen_panel_pack layouts, csrc/cpu_panel.c), 3 = the vdpbf16ps GEMM (bf16 only; cbgen_dp_pack
- * layouts, csrc/cpu_dpgemm.c).  attn_impl: the decode attention loops
+ * layouts), 4 = the AVX-512 float32 panel GEMM (float32 only; cbgen_p512_pack layouts; both
+ * csrc/cpu_panel512.c).  attn_impl: the decode attention loops
  * (cbgen_paged_decode's impl: the engine's measured choice).
  *
  * Layer records (fused_decode.py builds them): LAYER_WORDS int64 words and LAYER_FLOATS floats each,
@@ -30,6 +31,8 @@ int cbgen_panel_gemm(const void *x, int64_t x_stride, const void *packed, int64_
                      void *out, int64_t out_stride, int64_t M, int64_t N, int64_t K, int dtype, int pdtype);
 int cbgen_dp_gemm(const uint16_t *x, int64_t x_stride, const uint16_t *packed, int64_t packed_size,
                   const uint16_t *bias, uint16_t *out, int64_t out_stride, int64_t M, int64_t N, int64_t K);
+int cbgen_p512_gemm(const float *x, int64_t x_stride, const float *packed, int64_t packed_size, const float *bias,
+                    float *out, int64_t out_stride, int64_t M, int64_t N, int64_t K);
 int cbgen_add_rmsnorm(void *x, const void *delta, const void *weight, void *out, int64_t rows, int64_t n,
                       int64_t x_stride, int64_t delta_stride, int64_t out_stride, float eps, int dtype);
 int cbgen_rope(void *q, void *k, const void *cos, const void *sin, int64_t T, int H, int Hk, int D,
@@ -78,10 +81,14 @@ static int project(const void *x, int64_t xs, int64_t w, int64_t bias, void *out
         return dtype == 1 ? cbgen_amx_linear((const uint16_t *)x, xs, (const uint16_t *)PTR(w),
                                              (const uint16_t *)PTR(bias), (uint16_t *)out, os, M, N, K)
                           : 1;
-    if (gemm == 3)
+    if (gemm == 3) /* cbgen_dp_pack's layout */
         return dtype == 1 ? cbgen_dp_gemm((const uint16_t *)x, xs, (const uint16_t *)PTR(w),
-                                          (N + 31) / 32 * ((K + 1) / 2) * 64, /* cbgen_dp_pack's size */
-                                          (const uint16_t *)PTR(bias), (uint16_t *)out, os, M, N, K)
+                                          (N + 31) / 32 * ((K + 1) / 2) * 64, (const uint16_t *)PTR(bias),
+                                          (uint16_t *)out, os, M, N, K)
+                          : 1;
+    if (gemm == 4) /* cbgen_p512_pack's layout */
+        return dtype == 0 ? cbgen_p512_gemm((const float *)x, xs, (const float *)PTR(w), (N + 31) / 32 * K * 32,
+                                            (const float *)PTR(bias), (float *)out, os, M, N, K)
                           : 1;
     const int64_t packed = (N + 15) / 16 * K * 16; /* cbgen_panel_pack's size for this weight */
     return cbgen_panel_gemm(x, xs, PTR(w), packed, PTR(bias), out, os, M, N, K, dtype, gemm - 1);
@@ -97,7 +104,8 @@ int cbgen_decoder_step(const int64_t *layers, const float *floats, int n_layers,
                        int64_t table_width, const int32_t *seq_lens, const int64_t *slots, int64_t T, int64_t E, int H,
                        int Hkv, int D, int64_t I, int block_size, int64_t num_blocks, int dtype, int gemm,
                        int attn_impl) {
-    if (dtype < 0 || dtype > 1 || gemm < 0 || gemm > 3 || ((gemm == 0 || gemm == 3) && dtype != 1)) return 1;
+    if (dtype < 0 || dtype > 1 || gemm < 0 || gemm > 4) return 1;
+    if (((gemm == 0 || gemm == 3) && dtype != 1) || (gemm == 4 && dtype != 0)) return 1;
     if (attn_impl < 0 || attn_impl > 7 || (attn_impl & 3) == 3) return 1;
     const int64_t qd = (int64_t)H * D, kd = (int64_t)Hkv * D, nqkv = qd + 2 * kd;
     const int esize = dtype == 0 ? 4 : 2;
