@@ -41,8 +41,10 @@ static inline void st(void *p, int64_t i, float f, int dtype) {
         ((uint16_t *)p)[i] = f32_to_bf16(f);
 }
 
-/* Parallel only when the work pays for waking the other threads. */
-#define BIG(work) ((work) >= 65536)
+/* Parallel only when the work pays for waking the other threads.  On a Zen 4 (2 threads) the
+ * residual add + RMSNorm of 64 bf16 rows of 576 took 21 us on one thread and 13 on two, the rotary
+ * embedding 16 and 11 (threshold 65536 before; one row stays on one thread). */
+#define BIG(work) ((work) >= 8192)
 
 /* For each of `rows` rows of n values: x += delta (when delta is not NULL, stored back into x),
  * then out = weight * rmsnorm(x).  out may alias x. */
