@@ -154,10 +154,12 @@ static void dp_tile_any(const uint16_t *x, int64_t xs, const uint16_t *panel, in
  * +0). */
 static void p512_store(const float *acc, int rows, int cols, const void *bias, void *out, int64_t os, int64_t m0,
                        int64_t n0, const int bf16) {
-    float b[P512_COLS] = {0};
+    float b[P512_COLS]; /* read only with a bias (zeroing it per tile was 2% of a bf16 decode step) */
     if (bias)
-        for (int j = 0; j < cols; ++j)
-            b[j] = bf16 ? bf16_to_f32(((const uint16_t *)bias)[n0 + j]) : ((const float *)bias)[n0 + j];
+        for (int j = 0; j < P512_COLS; ++j)
+            b[j] = j >= cols ? 0.0f
+                   : bf16  ? bf16_to_f32(((const uint16_t *)bias)[n0 + j])
+                           : ((const float *)bias)[n0 + j];
     const __mmask16 m_lo = (__mmask16)(cols >= 16 ? 0xffff : (1u << cols) - 1u);
     const __mmask16 m_hi = (__mmask16)(cols >= 32 ? 0xffff : cols <= 16 ? 0 : (1u << (cols - 16)) - 1u);
     for (int r = 0; r < rows; ++r) {
