@@ -273,7 +273,7 @@ def test_a_swapped_module_with_the_same_weights_re_resolves() -> None:
 
 def test_the_structure_watch_fires_once_per_change() -> None:
     """Values changing in place are not a structural change; a hook (on a module or global), a
-    swapped child or new weight storage is, once."""
+    swapped or moved child, a new parameter or new weight storage is, once."""
     model = make_model("llama")
     watch = StructureWatch(model)
     assert not watch.changed()
@@ -287,6 +287,17 @@ def test_the_structure_watch_fires_once_per_change() -> None:
     model.lm_head.weight.data = model.lm_head.weight.data.clone()
     assert watch.changed() and not watch.changed()
     model.model.layers[0].mlp.act_fn = nn.SiLU()
+    assert watch.changed() and not watch.changed()
+    # Two weights trading storage: every pointer is still there (a sum or XOR of them would not move).
+    attn = model.model.layers[0].self_attn
+    attn.q_proj.weight.data, attn.o_proj.weight.data = attn.o_proj.weight.data, attn.q_proj.weight.data
+    assert watch.changed() and not watch.changed()
+    model.lm_head.weight = nn.Parameter(model.lm_head.weight.detach())  # a new parameter, same storage
+    assert watch.changed() and not watch.changed()
+    # A child moved from one parent to another.
+    layers = model.model.layers
+    layers[1].add_module("extra", layers[0].mlp.act_fn)
+    del layers[0].mlp.act_fn
     assert watch.changed() and not watch.changed()
     handle = nn.modules.module.register_module_forward_hook(lambda m, i, o: None)
     try:

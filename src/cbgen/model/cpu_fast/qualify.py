@@ -14,6 +14,8 @@ registered or removed.  The runner re-resolves the plan when it fires.
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -119,22 +121,26 @@ def _storage(p: torch.Tensor) -> int:
 
 @dataclass(frozen=True)
 class _Snapshot:
+    """The containers a look reads, and what it read there."""
+
+    # Held so that no module or parameter of the look is freed and its id reused by a replacement.
     modules: list[nn.Module]
-    children: list[list[nn.Module]]
-    param_ids: list[list[int]]
-    hooked: list[bool]
-    global_hooks: bool
+    hook_dicts: list[dict]  # each module's forward hooks, then its forward pre-hooks
+    child_dicts: list[dict]  # each module's ``_modules``
+    param_dicts: list[dict]  # each module's ``_parameters``
     params: list[nn.Parameter]
-    storage: list[int]
+    sharded: bool  # some parameter is a DTensor: its storage is its local shard's
+    state: tuple
 
 
 class StructureWatch:
     """Notices changes to a model's module tree, parameters' identity or storage, and hooks.
 
-    :meth:`changed` compares the modules of the last look (their children, parameter ids and hook
-    dictionaries) and every parameter's storage pointer with what they are now.  It reuses the last
-    look's module list instead of walking the tree: a full traversal of a 30-layer model cost ~1.3 ms,
-    this ~0.2 ms, which is why it can run before every step.
+    :meth:`changed` compares the hook counts, children and parameters of the modules of the last
+    look, and every parameter's storage pointer, with what they are now.  It reuses the last look's
+    module list instead of walking the tree, and reads those containers through ``map`` rather than
+    a Python loop per module: the check runs before every step, where a loop over SmolLM2's 397
+    modules took ~0.8 ms (its caches cold after the step's kernels), ~7% of a one-row bf16 step.
     """
 
     def __init__(self, model: nn.Module) -> None:
@@ -144,26 +150,35 @@ class StructureWatch:
     def _look(self) -> _Snapshot:
         modules = list(self.model.modules())
         params = list(self.model.parameters())
-        return _Snapshot(
+        snap = _Snapshot(
             modules=modules,
-            children=[list(m._modules.values()) for m in modules],
-            param_ids=[list(map(id, m._parameters.values())) for m in modules],
-            hooked=[_hooked(m) for m in modules],
-            global_hooks=_global_hooks(),
+            hook_dicts=[d for m in modules for d in (m._forward_hooks, m._forward_pre_hooks)],
+            child_dicts=[m._modules for m in modules],
+            param_dicts=[m._parameters for m in modules],
             params=params,
-            storage=[_storage(p) for p in params],
+            sharded=any(isinstance(getattr(p, "_local_tensor", None), torch.Tensor) for p in params),
+            state=(),
+        )
+        return dataclasses.replace(snap, state=self._state(snap))
+
+    @staticmethod
+    def _state(snap: _Snapshot) -> tuple:
+        # Identities and counts only (a value that changes in place is not a structural change);
+        # the dicts' sizes keep a child that moved between parents from reading as unchanged.
+        values = itertools.chain.from_iterable
+        storage = map(_storage, snap.params) if snap.sharded else map(torch.Tensor.data_ptr, snap.params)
+        return (
+            _global_hooks(),
+            list(map(len, snap.hook_dicts)),
+            list(map(len, snap.child_dicts)),
+            list(map(id, values(map(dict.values, snap.child_dicts)))),
+            list(map(len, snap.param_dicts)),
+            list(map(id, values(map(dict.values, snap.param_dicts)))),
+            list(storage),
         )
 
     def _same(self) -> bool:
-        last = self._last
-        if _global_hooks() != last.global_hooks:
-            return False
-        for m, kids, ids, hooked in zip(last.modules, last.children, last.param_ids, last.hooked):
-            if _hooked(m) != hooked:
-                return False
-            if list(m._modules.values()) != kids or list(map(id, m._parameters.values())) != ids:
-                return False
-        return [_storage(p) for p in last.params] == last.storage
+        return self._state(self._last) == self._last.state
 
     def changed(self) -> bool:
         """True (once per change) when the structure differs from the last look; then looks again."""

@@ -16,9 +16,13 @@ counter).  After such writes call ``LLM.notify_weights_updated()``.
 
 from __future__ import annotations
 
+import functools
+import operator
+
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
+_VERSION = operator.attrgetter("_version")
 _optimizer_steps = 0
 _hook_handle = None
 
@@ -50,12 +54,9 @@ class WeightWatcher:
 
     def fingerprint(self) -> tuple:
         """Sum of version counters, storage pointers and adapter flags."""
-        versions = 0
-        pointers = 0
-        for p in self._versioned:
-            versions += p._version
-        for p in self._params:
-            pointers ^= p.data_ptr()
+        # map and reduce rather than Python loops: this runs before every step, over every tensor.
+        versions = sum(map(_VERSION, self._versioned))
+        pointers = functools.reduce(operator.xor, map(torch.Tensor.data_ptr, self._params), 0)
         adapters = tuple(map(_adapter_state, self._adapter_modules))
         return versions, pointers, len(self._params), adapters, _optimizer_steps, self._forced
 
