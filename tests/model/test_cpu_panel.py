@@ -221,6 +221,31 @@ def test_panel512_rows_do_not_depend_on_the_batch(panel, dtype, name) -> None:
 
 
 @pytest.mark.parametrize(("dtype", "name"), P512)
+def test_panel512_threads_split_panels_without_changing_bits(panel, dtype, name) -> None:
+    """Each thread takes a contiguous range of panels and then what the others left: with 1, 2 or 3
+    threads (more than this machine may have cores), and with fewer panels than threads, every
+    output column is written once, with the same bits."""
+    gen = torch.Generator().manual_seed(11)
+    before = torch.get_num_threads()
+    try:
+        for n in (20, 64, 1000):
+            weight = torch.randn(n, 96, generator=gen).to(dtype)
+            packed = panel.panel512_pack(weight)
+            x = torch.randn(17, 96, generator=gen).to(dtype)
+            results = []
+            for threads in (1, 2, 3):
+                torch.set_num_threads(threads)
+                out = torch.full((17, n), float("nan")).to(dtype)
+                results.append(panel.panel512_linear(x, packed, n, out=out))
+                assert not out.isnan().any()
+            assert all(torch.equal(r, results[0]) for r in results[1:])
+            expected = nn.functional.linear(x.float(), weight.float())
+            torch.testing.assert_close(results[0].float(), expected, atol=1e-2, rtol=2e-2)
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize(("dtype", "name"), P512)
 def test_panel512_refuses_what_it_cannot_take(panel, dtype, name) -> None:
     weight = torch.randn(40, 24).to(dtype)
     packed = panel.panel512_pack(weight)
