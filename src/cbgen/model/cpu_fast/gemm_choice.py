@@ -274,9 +274,11 @@ def time_candidate(
     return best
 
 
-# Raised when the way of measuring changes, so choices cached by an older way are measured again
-# (2: candidates take turns; 3: the single row class).
-_MEASUREMENT_VERSION = 3
+# Raised when the way of measuring changes, or a candidate changes enough to move the answer, so
+# choices cached before are measured again (2: candidates take turns; 3: the single row class; 4:
+# the AVX-512 panel GEMMs stream contiguous panel ranges per thread, which made dpbf16 the fastest
+# prefill GEMM on a Zen 4 where oneDNN had been).
+_MEASUREMENT_VERSION = 4
 # How many turns each candidate gets (see choose).
 TIMING_ROUNDS = 3
 
