@@ -19,11 +19,11 @@
  *
  * Each thread streams a contiguous range of panels (p512_run), and each panel serves every row tile
  * of a chunk of rows from cache, so at decode sizes a weight byte crosses the memory bus once per
- * call.  Each output
- * element is one chain over k (float32: an FMA per k; bf16: a vdpbf16ps per k pair) in increasing
- * order from zero, whatever M, the tile or the thread.  vdpbf16ps treats subnormal inputs as zero
- * and flushes subnormal results: the bf16 results are a float32 GEMM's up to summation order and
- * those subnormals, as oneDNN's and torch's bf16 GEMMs are specified (neither fixes an order).
+ * call.  Each output element is one chain over k (float32: an FMA per k; bf16: a vdpbf16ps per k
+ * pair) in increasing order from zero, whatever M, the tile or the thread.  vdpbf16ps treats
+ * subnormal inputs as zero and flushes subnormal results: the bf16 results are a float32 GEMM's up
+ * to summation order and those subnormals, as oneDNN's and torch's bf16 GEMMs are specified
+ * (neither fixes an order).
  *
  * Returns 0; 1 for bad sizes or a packed size that does not match (checked before any memory is
  * touched); 2 when built without AVX-512 (AVX512-BF16 for the bf16 GEMM). */
@@ -191,9 +191,9 @@ static void p512_store(const float *acc, int rows, int cols, const void *bias, v
  * increment of the range's own counter, on its own cache line. */
 enum { P512_MAX_RANGES = 64 };
 typedef struct {
-    int64_t next;
-    char pad[64 - sizeof(int64_t)];
+    _Alignas(64) int64_t next; /* a cache line to itself */
 } p512_cursor;
+_Static_assert(sizeof(p512_cursor) == 64, "one cursor per cache line");
 
 /* The shared driver: every row tile of a chunk of rows per panel, panels as above. */
 static int p512_run(const void *x, int64_t xs, const void *packed, const void *bias, void *out, int64_t os, int64_t M,
