@@ -77,6 +77,12 @@ class Engine:
         param = next(model.parameters())
         self.device = param.device
         self.dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+        # CPU steps leave out the threads whose cores other processes hold (model/cpu_threads.py).
+        # Started first, so that its first window (the rest of this constructor) is read by the time
+        # the first step runs.
+        self.threads = ThreadGovernor(
+            enabled=self.device.type == "cpu" and envs.flag("CBGEN_FOLLOW_LOAD"), watch=True
+        )
         text_config = (
             model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
         )
@@ -132,8 +138,6 @@ class Engine:
                     "async_scheduling is not used with tensor parallelism (ranks exchange each step's tokens)"
                 )
             self.async_scheduling = False
-        # CPU steps leave out the threads whose cores other processes hold (model/cpu_threads.py).
-        self.threads = ThreadGovernor(enabled=self.device.type == "cpu" and envs.flag("CBGEN_FOLLOW_LOAD"))
         # The one value carried from a step to the next (overlap scheduling only).
         self.in_flight: InFlight | None = None
         self.control = EngineControl(self)

@@ -4,6 +4,10 @@ engine's output does not depend on it."""
 
 from __future__ import annotations
 
+import gc
+import threading
+import time
+
 import pytest
 import torch
 from hypothesis import given
@@ -13,6 +17,7 @@ from cbgen import LLM, SamplingParams
 from cbgen.model import cpu_threads
 from cbgen.model.cpu_threads import (
     CORE_TAKEN_AT,
+    FIRST_WINDOW_S,
     RAISE_AFTER,
     CpuSample,
     ThreadGovernor,
@@ -58,7 +63,8 @@ def test_cores_taken_subtracts_this_process() -> None:
 
 
 class FakeMachine:
-    """A clock and a CPU counter: ``others`` cores busy besides this process's ``own`` cores."""
+    """A clock and a CPU counter: ``others`` cores busy besides this process's ``own`` cores.  Safe to
+    read from a governor's watch thread while the test advances it."""
 
     def __init__(self) -> None:
         self.now = 0.0
@@ -67,15 +73,27 @@ class FakeMachine:
         self.others = 0.0
         self.own_rate = 2.0
         self.reads = 0
+        self.readers: set[str] = set()
+        self._lock = threading.Lock()
 
     def advance(self, seconds: float) -> None:
-        self.now += seconds
-        self.busy += (self.others + self.own_rate) * seconds
-        self.own += self.own_rate * seconds
+        with self._lock:
+            self.now += seconds
+            self.busy += (self.others + self.own_rate) * seconds
+            self.own += self.own_rate * seconds
 
     def sample(self) -> CpuSample:
-        self.reads += 1
-        return CpuSample(self.now, self.busy, self.own)
+        with self._lock:
+            self.reads += 1
+            self.readers.add(threading.current_thread().name)
+            return CpuSample(self.now, self.busy, self.own)
+
+    def wait_reads(self, n: int, timeout_s: float = 10.0) -> None:
+        """Waits (real time) until the counters were read ``n`` times in all."""
+        deadline = time.monotonic() + timeout_s
+        while self.reads < n:
+            assert time.monotonic() < deadline, f"only {self.reads} reads of {n}"
+            time.sleep(0.001)
 
 
 def _governor(machine: FakeMachine) -> ThreadGovernor:
@@ -86,12 +104,14 @@ def test_governor_drops_at_once_and_raises_after_agreeing_windows() -> None:
     m = FakeMachine()
     gov = _governor(m)
     assert gov.enabled and gov.step_threads(2) == 2
+    m.advance(FIRST_WINDOW_S)
+    assert gov.step_threads(2) == 2  # the first window, short: idle
     m.others = 1.0
     m.advance(0.1)
     assert gov.step_threads(2) == 2  # within the interval: nothing read, nothing changed
     m.advance(0.5)
     assert gov.step_threads(2) == 1  # the first window with a neighbour drops a thread
-    assert gov.taken == pytest.approx(1.0)
+    assert gov.taken == pytest.approx(1.0 * 0.6 / 0.6)
     m.others, m.own_rate = 0.0, 1.0  # the neighbour leaves
     for _ in range(RAISE_AFTER - 1):
         m.advance(0.5)
@@ -113,9 +133,22 @@ def test_governor_follows_the_users_count_under_the_held_load() -> None:
     assert gov.step_threads(3) == 2
 
 
+def test_a_new_governor_reads_its_first_window_early() -> None:
+    """A fresh engine's first steps already follow a neighbour that was there when it started."""
+    m = FakeMachine()
+    m.others = 1.0
+    gov = _governor(m)
+    m.advance(FIRST_WINDOW_S / 2)
+    assert gov.step_threads(2) == 2  # too short to tell
+    m.advance(FIRST_WINDOW_S / 2)
+    assert gov.step_threads(2) == 1
+
+
 def test_governor_reads_the_counters_once_per_interval() -> None:
     m = FakeMachine()
     gov = _governor(m)
+    m.advance(FIRST_WINDOW_S)
+    gov.step_threads(2)
     reads = m.reads
     for _ in range(100):
         m.advance(0.001)
@@ -135,6 +168,64 @@ def test_governor_off_where_counters_cannot_be_read() -> None:
     m.advance(1.0)
     gov._sample = lambda: None  # the file went away mid-run: stop governing, keep the user's count
     assert gov.step_threads(2) == 2 and not gov.enabled
+
+
+def _watching(machine: FakeMachine, interval_s: float = 0.005) -> ThreadGovernor:
+    return ThreadGovernor(
+        interval_s=interval_s, cpus=[0, 1], sample=machine.sample, clock=lambda: machine.now, watch=True
+    )
+
+
+def test_watch_thread_sees_a_neighbour_that_came_while_no_step_ran() -> None:
+    """The watch thread reads the counters while the engine idles, so the first step after an idle
+    spell answers to the last window, not to an average over the whole spell; steps do not read
+    themselves while it runs."""
+    m = FakeMachine()
+    gov = _watching(m)
+    m.readers.clear()  # the constructor's own first read
+    try:
+        m.wait_reads(3)  # no time passed: windows with nothing in them are not counted
+        assert not gov._windows
+        m.advance(30.0)  # a long idle spell, read as one window...
+        m.wait_reads(m.reads + 2)
+        m.others = 1.0  # ...then a neighbour for the last half second
+        m.advance(0.5)
+        m.wait_reads(m.reads + 2)
+        assert gov.step_threads(2) == 1
+        assert gov.taken == pytest.approx(1.0)
+        assert m.readers == {"cbgen-load-watch"}
+        # Only the latest windows are kept for a step to act on.
+        for _ in range(2 * cpu_threads.WINDOWS_KEPT):
+            m.advance(0.5)
+            m.wait_reads(m.reads + 1)
+        assert len(gov._windows) == cpu_threads.WINDOWS_KEPT
+    finally:
+        gov.close()
+
+
+def test_watch_thread_ends_with_its_governor() -> None:
+    m = FakeMachine()
+    gov = _watching(m)
+    watcher = gov._watcher
+    assert watcher is not None and watcher.is_alive() and watcher.daemon
+    del gov
+    gc.collect()
+    watcher.join(timeout=10.0)
+    assert not watcher.is_alive()
+    # close(): the steps read the counters themselves again.
+    gov = _watching(m, interval_s=0.5)
+    gov.close()
+    assert gov._watcher is None
+    m.readers.clear()
+    m.advance(1.0)
+    gov.step_threads(2)
+    assert m.readers == {threading.current_thread().name}
+    # Counters that become unreadable stop the thread and the governing.
+    gov = _watching(m)
+    watcher = gov._watcher
+    gov._sample = lambda: None
+    watcher.join(timeout=10.0)
+    assert not watcher.is_alive() and not gov.enabled and gov.step_threads(2) == 2
 
 
 def test_governed_restores_the_users_count(monkeypatch) -> None:
