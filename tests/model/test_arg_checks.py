@@ -164,6 +164,9 @@ def test_decoder_step_refuses_mismatched_arguments():
         cpu_decoder.decoder_step(**{**args, "slots": torch.zeros(2, dtype=torch.int32)}, **dims)
     with pytest.raises(ValueError, match="float32 or bfloat16"):
         cpu_decoder.decoder_step(**{**args, "hidden": hidden.half()}, **dims)
+    for bad in (torch.zeros(len(cpu_decoder.STAGES)), torch.zeros(3, dtype=torch.float64)):
+        with pytest.raises(ValueError, match="stage_seconds"):
+            cpu_decoder.decoder_step(**args, **dims, stage_seconds=bad)
 
 
 # ------------------------------------------------------------------ Triton (interpreter) and flash

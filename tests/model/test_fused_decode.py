@@ -282,6 +282,35 @@ def test_c_decoder_step_runs_the_planned_attention_loops(monkeypatch, loops) -> 
     assert impls and set(impls) == {decode_loops.IMPLS[loops]}
 
 
+@pytest.mark.native("avx2")
+def test_c_decoder_step_stage_times_change_nothing(monkeypatch) -> None:
+    """With a stage_seconds buffer (benchmarks/step_budget.py) the C step computes the same tokens and
+    logprobs, and every stage's time is added to its own entry."""
+    monkeypatch.setenv("CBGEN_GEMM", "panel")
+    model = make_model("llama", dtype=torch.float32, **WIDE)
+    prompts = make_prompts(6, lengths=(3, 20))
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=2)
+    plain = _run(model, prompts, [params] * len(prompts))
+    stages = torch.zeros(len(cpu_decoder.STAGES), dtype=torch.float64)
+    calls = []
+    original = cpu_decoder.decoder_step
+
+    def timed(*args, **kwargs):
+        before = stages.clone()
+        out = original(*args, **kwargs, stage_seconds=stages)
+        calls.append(stages - before)
+        return out
+
+    monkeypatch.setattr(cpu_decoder, "decoder_step", timed)
+    with_times = _run(model, prompts, [params] * len(prompts))
+    assert len(calls) >= 4
+    for a, b in zip(plain, with_times):
+        assert a.token_ids == b.token_ids
+        assert _top_logprobs(a) == _top_logprobs(b)
+    for added in calls:  # each stage ran in each step and only ever adds time
+        assert (added > 0).all(), dict(zip(cpu_decoder.STAGES, added.tolist()))
+
+
 def _c_step_vs_python_loop(monkeypatch, dtype, gemm, bias) -> None:
     if gemm != "amx":
         monkeypatch.setenv("CBGEN_GEMM", gemm)  # every row class on that GEMM

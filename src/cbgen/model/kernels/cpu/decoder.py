@@ -20,6 +20,20 @@ from cbgen.model.kernels.cpu.ops import library
 # The projection kernels the C step calls, by GEMM candidate name (its ``gemm`` argument).
 GEMMS = {"amx": 0, "panel": 1, "panel_bf16": 2, "dpbf16": 3, "panel512": 4}
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+# The stages of a step as csrc/cpu_decoder.c numbers them (stage_seconds entries).
+STAGES = (
+    "first norm",
+    "q/k/v projection",
+    "rotary",
+    "KV store",
+    "attention",
+    "output projection",
+    "residual + norm",
+    "gate/up projection",
+    "SiLU x up",
+    "down projection",
+    "residual + norm (MLP)",
+)
 _layout: DecoderLayout | None = None
 
 
@@ -95,14 +109,27 @@ def decoder_step(
     block_size: int,
     num_blocks: int,
     attn_impl: int = 0,
+    stage_seconds: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Runs every decoder layer of a decode step in C (``csrc/cpu_decoder.c``) over the residual
     stream ``hidden [T, E]`` (float32 or bf16, updated in place) and returns the final norm's output
     ``[T, E]``.  ``words`` / ``floats`` describe the layers (:meth:`DecoderLayout.records`), whose
     weight pointers are packed for ``gemm`` (a key of :data:`GEMMS`).  ``attn_impl``: the decode
-    attention loops (:func:`cbgen.model.kernels.cpu.ops.decode_direct`'s ``impl``)."""
+    attention loops (:func:`cbgen.model.kernels.cpu.ops.decode_direct`'s ``impl``).
+    ``stage_seconds``: a float64 tensor of :data:`STAGES` entries that each stage's wall seconds are
+    added to (a diagnostic; ``benchmarks/step_budget.py``), or None."""
     if gemm not in GEMMS:
         raise ValueError(f"decoder_step: gemm {gemm!r} is not one of {sorted(GEMMS)}")
+    if stage_seconds is not None and (
+        stage_seconds.dtype != torch.float64
+        or stage_seconds.device.type != "cpu"
+        or not stage_seconds.is_contiguous()
+        or stage_seconds.numel() != len(STAGES)
+        or library().cbgen_decoder_stages() != len(STAGES)
+    ):
+        raise ValueError(
+            f"decoder_step: stage_seconds must be a contiguous CPU float64 tensor of {len(STAGES)}"
+        )
     tokens, width = hidden.shape
     qd, kd = heads * head_dim, kv_heads * head_dim
     _check_decoder_step(words, floats, first_norm[0], hidden, cos, sin, table, seq_lens, slots, head_dim)
@@ -143,6 +170,7 @@ def decoder_step(
         _DTYPES[hidden.dtype],
         GEMMS[gemm],
         int(attn_impl),
+        None if stage_seconds is None else stage_seconds.data_ptr(),
     )
     if rc:
         layer, stage = divmod(rc - 1, 16)

@@ -140,7 +140,8 @@ def _build() -> ctypes.CDLL:
     lib.cbgen_amx_linear.argtypes = [ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64]
     lib.cbgen_amx_init.argtypes = []
     lib.cbgen_decoder_step.argtypes = [ptr, ptr, i32, ptr, f32, *[ptr] * 10, i64, i64, ptr, ptr, i64, i64]
-    lib.cbgen_decoder_step.argtypes += [i32, i32, i32, i64, i32, i64, i32, i32, i32]
+    lib.cbgen_decoder_step.argtypes += [i32, i32, i32, i64, i32, i64, i32, i32, i32, ptr]
+    lib.cbgen_decoder_stages.argtypes = []
     lib.cbgen_decode_loops.argtypes = []
     lib.cbgen_decode_loops.restype = i32
     lib.cbgen_gemv.argtypes = [ptr, i64, ptr, i64, ptr, ptr, i64, i64, i64, i64, i32]
@@ -194,6 +195,7 @@ def _build() -> ctypes.CDLL:
         lib.cbgen_amx_linear,
         lib.cbgen_amx_init,
         lib.cbgen_decoder_step,
+        lib.cbgen_decoder_stages,
         lib.cbgen_gemv,
         lib.cbgen_panel_pack,
         lib.cbgen_panel_gemm,

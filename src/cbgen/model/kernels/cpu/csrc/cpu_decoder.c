@@ -23,6 +23,7 @@
  * when it loads the library.  Python fills records by field name and refuses a record whose names
  * differ from these, so a field added, removed or moved here is never read from the wrong slot.
  */
+#include <omp.h>
 #include <stdint.h>
 
 int cbgen_amx_linear(const uint16_t *x, int64_t xs, const uint16_t *wp, const uint16_t *bias, uint16_t *out,
@@ -55,6 +56,11 @@ int cbgen_paged_decode(const void *q, int64_t q_stride, const void *kc, const vo
 #define AS_NAME(name) #name " "
 
 enum { DECODER_WORDS(AS_ENUM) WORDS_USED };
+/* The step's stages, as TRY numbers them: 0 the first norm, then per layer 1 q/k/v projection, 2 rotary,
+ * 3 KV store, 4 attention, 5 output projection, 6 residual + norm, 7 gate/up projection, 8 SiLU x up,
+ * 9 down projection, 10 residual + norm. */
+enum { DECODER_STAGES = 11 };
+int cbgen_decoder_stages(void) { return DECODER_STAGES; }
 enum { DECODER_FLOATS(AS_ENUM) FLOATS_USED };
 /* Record sizes, with room to spare at the end (unused entries stay zero). */
 enum { LAYER_WORDS = 16, LAYER_FLOATS = 4 };
@@ -69,9 +75,13 @@ const char *cbgen_decoder_layout(int64_t *words, int64_t *floats) {
 }
 
 #define PTR(word) ((void *)(intptr_t)(word))
+/* Runs one stage; with a stage_s buffer, adds its wall seconds to stage_s[stage] (a diagnostic: where
+ * the step's time goes, benchmarks/step_budget.py). */
 #define TRY(stage, call)                                                                                                \
     do {                                                                                                               \
+        const double t0_ = stage_s ? omp_get_wtime() : 0.0;                                                            \
         if ((call) != 0) return 1 + (int)(l * 16 + (stage));                                                           \
+        if (stage_s) stage_s[stage] += omp_get_wtime() - t0_;                                                          \
     } while (0)
 
 /* out [M, N] (row stride os) = x [M, K] (row stride xs) W^T + bias on the step's GEMM. */
@@ -96,14 +106,15 @@ static int project(const void *x, int64_t xs, int64_t w, int64_t bias, void *out
 
 /* hidden [T, E] (the residual stream, updated in place) -> x [T, E], the final norm's output.
  * Scratch: qkv [T, (H + 2 Hkv) D], attn [T, H D], gate_up [T, 2 I], act [T, I], delta [T, E], all of
- * dtype.  Returns 0, 1 for a bad dtype or gemm, or 1 + 16 * layer + stage of the first kernel that
- * failed. */
+ * dtype.  stage_s: 0, or DECODER_STAGES doubles that each stage's seconds are added to (stages as
+ * numbered below).  Returns 0, 1 for a bad dtype or gemm, or 1 + 16 * layer + stage of the first
+ * kernel that failed. */
 int cbgen_decoder_step(const int64_t *layers, const float *floats, int n_layers, const void *first_norm,
                        float first_eps, void *hidden, void *x, void *qkv, void *attn, void *gate_up, void *act,
                        void *delta, const void *cos, const void *sin, const int32_t *table, int64_t table_stride,
                        int64_t table_width, const int32_t *seq_lens, const int64_t *slots, int64_t T, int64_t E, int H,
                        int Hkv, int D, int64_t I, int block_size, int64_t num_blocks, int dtype, int gemm,
-                       int attn_impl) {
+                       int attn_impl, double *stage_s) {
     if (dtype < 0 || dtype > 1 || gemm < 0 || gemm > 4) return 1;
     if (((gemm == 0 || gemm == 3) && dtype != 1) || (gemm == 4 && dtype != 0)) return 1;
     if (attn_impl < 0 || attn_impl > 7 || (attn_impl & 3) == 3) return 1;
