@@ -76,6 +76,30 @@ def test_bf16_output_is_the_float32_result_rounded_once(panel, n: int) -> None:
         assert torch.equal(got, wide.to(torch.bfloat16))
 
 
+@pytest.mark.parametrize("panel_dtype", [torch.float32, torch.bfloat16])
+def test_threads_split_panels_without_changing_bits(panel, panel_dtype) -> None:
+    """Panels are shared out in contiguous ranges (cbgen_ranges.h): with 1, 2 or 3 threads (more
+    than this machine may have cores), fewer panels than threads, and rows over two 192-row chunks,
+    every output column is computed, with the same bits."""
+    gen = torch.Generator().manual_seed(12)
+    before = torch.get_num_threads()
+    try:
+        for n in (20, 64, 1000):
+            weight = torch.randn(n, 96, generator=gen).to(torch.bfloat16)
+            packed = panel.panel_pack(weight, panel_dtype)
+            for rows in (1, 17, 200):
+                x = torch.randn(rows, 96, generator=gen).to(torch.bfloat16)
+                results = []
+                for threads in (1, 2, 3):
+                    torch.set_num_threads(threads)
+                    results.append(panel.panel_linear(x, packed, n))
+                assert all(torch.equal(r, results[0]) for r in results[1:])
+                expected = nn.functional.linear(x.float(), weight.float())
+                torch.testing.assert_close(results[0].float(), expected, atol=1e-1, rtol=2e-2)
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_refuses_what_it_cannot_take(panel) -> None:
     weight = torch.randn(40, 24)
     packed = panel.panel_pack(weight)

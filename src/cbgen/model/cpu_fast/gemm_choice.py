@@ -277,8 +277,9 @@ def time_candidate(
 # Raised when the way of measuring changes, or a candidate changes enough to move the answer, so
 # choices cached before are measured again (2: candidates take turns; 3: the single row class; 4:
 # the AVX-512 panel GEMMs stream contiguous panel ranges per thread, which made dpbf16 the fastest
-# prefill GEMM on a Zen 4 where oneDNN had been).
-_MEASUREMENT_VERSION = 4
+# prefill GEMM on a Zen 4 where oneDNN had been; 5: the AVX2 panel GEMM does too, 1.1-1.7x at 1-64
+# rows on that Zen 4, and it is the GEMM an AVX2-only CPU chooses).
+_MEASUREMENT_VERSION = 5
 # How many turns each candidate gets (see choose).
 TIMING_ROUNDS = 3
 

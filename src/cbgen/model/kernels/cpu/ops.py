@@ -51,7 +51,7 @@ _SOURCES = [
         "cpu_parity_rows.c",
     )
 ]
-_HEADERS = [_CSRC / "cbgen_numerics.h"]
+_HEADERS = [_CSRC / "cbgen_numerics.h", _CSRC / "cbgen_ranges.h"]
 # Which decode-attention loops cbgen_paged_decode runs (its ``impl`` argument), and a flag added to
 # them: the vector loops' prefetches go into L2 rather than non-temporally into L1.
 IMPL_FAST, IMPL_PORTABLE, IMPL_AVX2 = 0, 1, 2

@@ -19,17 +19,20 @@
  * x is widened into a scratch copy first and the output rounded once, to nearest even, as torch does.
  *
  * Loop order: rows are cut into chunks that stay in the last-level cache; within a chunk the threads
- * share out panels (a panel is read from memory once per chunk and then from L2 for every 6-row
- * tile), so at decode sizes (one chunk) each weight byte crosses the memory bus once per call.
+ * share out panels in contiguous ranges (cbgen_ranges.h; a panel is read from memory once per chunk
+ * and then from L2 for every 6-row tile), so at decode sizes (one chunk) each weight byte crosses the
+ * memory bus once per call.
  *
  * dtype: 0 = float32, 1 = bfloat16 (x, the weight, bias and out); pdtype: the panels' (0, or 1
  * when dtype is 1).  Strides in elements.  Returns 0; 1 for bad sizes or a packed size that does
  * not match (checked before any memory is touched); 2 when built without AVX2 + FMA; 3 when the
  * bfloat16 scratch cannot be had. */
+#include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 
 #include "cbgen_numerics.h"
+#include "cbgen_ranges.h"
 
 enum { PANEL = 16, TILE_ROWS = 6 };
 /* Rows of x per chunk: reread once per panel, so they should stay in cache (192 x 1536 floats is
@@ -156,21 +159,25 @@ int cbgen_panel_gemm(const void *x, int64_t x_stride, const void *packed, int64_
         xs = K;
     }
     const int64_t panels = (N + PANEL - 1) / PANEL;
+    const int ranges = cb_ranges(omp_get_max_threads());
+    cb_range_cursor cursor[CB_MAX_RANGES];
     for (int64_t c0 = 0; c0 < M; c0 += CHUNK_ROWS) {
         const int64_t c1 = c0 + CHUNK_ROWS < M ? c0 + CHUNK_ROWS : M;
-        /* Panels handed out as threads ask: a static split leaves the first thread waiting at the
-         * closing barrier whenever the other one woke late. */
-#pragma omp parallel for schedule(dynamic, 1)
-        for (int64_t p = 0; p < panels; ++p) {
+        cb_ranges_reset(cursor, ranges, panels); /* panels shared out in ranges (cbgen_ranges.h) */
+#pragma omp parallel num_threads(ranges)
+        {
             float acc[TILE_ROWS * PANEL];
-            const int64_t n0 = p * PANEL;
-            const int cols = (int)(N - n0 < PANEL ? N - n0 : PANEL);
-            const void *panel = pdtype == 0 ? (const void *)((const float *)packed + p * K * PANEL)
-                                            : (const void *)((const uint16_t *)packed + p * K * PANEL);
-            for (int64_t m0 = c0; m0 < c1; m0 += TILE_ROWS) {
-                const int rows = (int)(c1 - m0 < TILE_ROWS ? c1 - m0 : TILE_ROWS);
-                tile_any(xf + m0 * xs, xs, panel, K, acc, rows, pdtype);
-                store_tile(acc, rows, cols, bias, out, out_stride, m0, n0, dtype);
+            cb_claim claim = {cursor, panels, ranges, omp_get_thread_num(), 0};
+            for (int64_t p; (p = cb_next(&claim)) >= 0;) {
+                const int64_t n0 = p * PANEL;
+                const int cols = (int)(N - n0 < PANEL ? N - n0 : PANEL);
+                const void *panel = pdtype == 0 ? (const void *)((const float *)packed + p * K * PANEL)
+                                                : (const void *)((const uint16_t *)packed + p * K * PANEL);
+                for (int64_t m0 = c0; m0 < c1; m0 += TILE_ROWS) {
+                    const int rows = (int)(c1 - m0 < TILE_ROWS ? c1 - m0 : TILE_ROWS);
+                    tile_any(xf + m0 * xs, xs, panel, K, acc, rows, pdtype);
+                    store_tile(acc, rows, cols, bias, out, out_stride, m0, n0, dtype);
+                }
             }
         }
     }

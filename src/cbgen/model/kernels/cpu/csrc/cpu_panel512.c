@@ -33,6 +33,7 @@
 #include <string.h>
 
 #include "cbgen_numerics.h"
+#include "cbgen_ranges.h"
 
 enum { P512_COLS = 32, P512_ROWS = 14 };
 /* Rows of x per chunk: every panel rereads them, so they stay in L2 (192 x 1536 bf16 is 576 KB). */
@@ -180,55 +181,35 @@ static void p512_store(const float *acc, int rows, int cols, const void *bias, v
     }
 }
 
-/* Panels of one chunk of rows: thread t owns the t-th contiguous range of them and takes it front to
- * back, then takes what is left of the other threads' ranges, in the same way.  Why: handed out one
- * at a time as threads ask (OpenMP dynamic), the two threads of a 2-core AMD EPYC Zen 4 (family 25
- * model 17) took alternate panels, so neither read the packed weights as one stream, and the
- * shared counter's cache line went back and forth; contiguous ranges ran SmolLM2's projections
- * 8-36% faster (bf16, 1-64 rows, cold weights).  A plain static split was as fast but left a thread
- * idle at the closing barrier when the other one woke late (10% slower with OMP_WAIT_POLICY=PASSIVE
- * at one row); taking the rest of another's range keeps both busy.  Each claim is an atomic
- * increment of the range's own counter, on its own cache line. */
-enum { P512_MAX_RANGES = 64 };
-typedef struct {
-    _Alignas(64) int64_t next; /* a cache line to itself */
-} p512_cursor;
-_Static_assert(sizeof(p512_cursor) == 64, "one cursor per cache line");
-
-/* The shared driver: every row tile of a chunk of rows per panel, panels as above. */
+/* The shared driver: every row tile of a chunk of rows per panel, panels shared out in ranges
+ * (cbgen_ranges.h). */
 static int p512_run(const void *x, int64_t xs, const void *packed, const void *bias, void *out, int64_t os, int64_t M,
                     int64_t N, int64_t K, const int bf16) {
     const int64_t panels = (N + P512_COLS - 1) / P512_COLS;
     const int64_t panel_elems = bf16 ? (K + 1) / 2 * 2 * P512_COLS : K * P512_COLS;
-    const int max_threads = omp_get_max_threads();
-    const int ranges = max_threads < P512_MAX_RANGES ? max_threads : P512_MAX_RANGES;
-    p512_cursor cursor[P512_MAX_RANGES];
+    const int ranges = cb_ranges(omp_get_max_threads());
+    cb_range_cursor cursor[CB_MAX_RANGES];
     for (int64_t c0 = 0; c0 < M; c0 += P512_CHUNK_ROWS) {
         const int64_t c1 = c0 + P512_CHUNK_ROWS < M ? c0 + P512_CHUNK_ROWS : M;
-        for (int u = 0; u < ranges; ++u) cursor[u].next = u * panels / ranges;
+        cb_ranges_reset(cursor, ranges, panels);
 #pragma omp parallel num_threads(ranges)
         {
             float acc[P512_ROWS * P512_COLS];
-            /* Every thread visits every range, its own first: a range whose thread never came
-             * (fewer threads than asked for) is taken by the others. */
-            for (int k = 0, t = omp_get_thread_num(); k < ranges; ++k) {
-                const int u = (t + k) % ranges;
-                const int64_t end = (u + 1) * panels / ranges;
-                for (int64_t p; (p = __atomic_fetch_add(&cursor[u].next, 1, __ATOMIC_RELAXED)) < end;) {
-                    const int64_t n0 = p * P512_COLS;
-                    const int cols = (int)(N - n0 < P512_COLS ? N - n0 : P512_COLS);
-                    for (int64_t m0 = c0; m0 < c1; m0 += P512_ROWS) {
-                        const int rows = (int)(c1 - m0 < P512_ROWS ? c1 - m0 : P512_ROWS);
+            cb_claim claim = {cursor, panels, ranges, omp_get_thread_num(), 0};
+            for (int64_t p; (p = cb_next(&claim)) >= 0;) {
+                const int64_t n0 = p * P512_COLS;
+                const int cols = (int)(N - n0 < P512_COLS ? N - n0 : P512_COLS);
+                for (int64_t m0 = c0; m0 < c1; m0 += P512_ROWS) {
+                    const int rows = (int)(c1 - m0 < P512_ROWS ? c1 - m0 : P512_ROWS);
 #if defined(__AVX512BF16__)
-                        if (bf16)
-                            dp_tile_any((const uint16_t *)x + m0 * xs, xs, (const uint16_t *)packed + p * panel_elems,
-                                        K, acc, rows);
-                        else
+                    if (bf16)
+                        dp_tile_any((const uint16_t *)x + m0 * xs, xs, (const uint16_t *)packed + p * panel_elems, K,
+                                    acc, rows);
+                    else
 #endif
-                            p512_tile_any((const float *)x + m0 * xs, xs, (const float *)packed + p * panel_elems, K,
-                                          acc, rows);
-                        p512_store(acc, rows, cols, bias, out, os, m0, n0, bf16);
-                    }
+                        p512_tile_any((const float *)x + m0 * xs, xs, (const float *)packed + p * panel_elems, K, acc,
+                                      rows);
+                    p512_store(acc, rows, cols, bias, out, os, m0, n0, bf16);
                 }
             }
         }
