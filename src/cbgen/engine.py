@@ -140,7 +140,6 @@ class Engine:
             self.async_scheduling = False
         # The one value carried from a step to the next (overlap scheduling only).
         self.in_flight: InFlight | None = None
-        self.control = EngineControl(self)
         # Receives the final output of every non-streamed request an abort ends: such a request
         # never comes out of a step, and LLM.drive_until_empty still owes it to its caller.
         # Streamed ones belong to their stream's reader (AsyncEngine, the server).
@@ -185,6 +184,14 @@ class Engine:
         self.input_builder = InputBuilder(
             config.block_size, self.device, row_prefill_max=plan.row_prefill_max, num_blocks=num_blocks
         )
+
+    @property
+    def control(self) -> EngineControl:
+        """The front ends' handle on this engine (policy, pauses, gauges).  Made on each access
+        rather than kept: an engine that held its own handle would be a reference cycle, and an
+        engine in a cycle keeps its KV cache and packed weights until Python's cycle collector runs,
+        long after the last user reference is gone."""
+        return EngineControl(self)
 
     @property
     def plan(self) -> ExecutionPlan:

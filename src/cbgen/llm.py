@@ -23,6 +23,16 @@ PromptType = str | Sequence[int] | Mapping[str, Any]
 _PROMPT_KEYS = ("prompt", "prompt_token_ids")
 
 
+def _file_into(finished: dict[str, RequestOutput]) -> Callable[[RequestOutput], None]:
+    """The engine's ``on_abort`` hook: files an aborted request's final output into ``finished``
+    (an LLM's outputs owed to :meth:`LLM.drive_until_empty`), by request id."""
+
+    def file(out: RequestOutput) -> None:
+        finished[out.request_id] = out
+
+    return file
+
+
 class LLM:
     """A continuous-batching generator over a transformers causal LM.
 
@@ -84,7 +94,10 @@ class LLM:
         )
         self.engine = Engine(self.model, self.tokenizer, self.config, logits_processors)
         self._finished: dict[str, RequestOutput] = {}
-        self.engine.on_abort = self._file_abort
+        # The engine files aborted outputs straight into that dict: a hook bound to this LLM would
+        # make LLM and engine a reference cycle, which frees neither (nor the KV cache) until the
+        # cycle collector runs.
+        self.engine.on_abort = _file_into(self._finished)
         self._paused = False
 
     # ------------------------------------------------------------------ prompts
@@ -190,12 +203,9 @@ class LLM:
         ``on_step``) are among them, with the tokens they had and ``finish_reason == "abort"``: the
         output ``abort`` returned."""
         self._run(None, on_step=on_step, use_tqdm=use_tqdm)
-        done, self._finished = self._finished, {}
+        done = dict(self._finished)
+        self._finished.clear()
         return done
-
-    def _file_abort(self, out: RequestOutput) -> None:
-        """Engine hook: an aborted request's final output, kept for :meth:`drive_until_empty`."""
-        self._finished[out.request_id] = out
 
     def _run(
         self,

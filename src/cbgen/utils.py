@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import logging
 import sys
 
@@ -135,6 +136,12 @@ _HUGE_PAGE = 2 << 20
 _MADV_HUGEPAGE = 14
 
 
+@functools.cache
+def _libc() -> ctypes.CDLL:
+    # One handle for the process: every CDLL object is a small reference cycle of its own.
+    return ctypes.CDLL(None)
+
+
 def advise_huge_pages(t: torch.Tensor) -> torch.Tensor:
     """Advises the kernel to back ``t``'s not yet touched pages with transparent huge pages (Linux
     CPU tensors; elsewhere, or where refused, nothing happens).  Call it before the first write.
@@ -150,5 +157,5 @@ def advise_huge_pages(t: torch.Tensor) -> torch.Tensor:
     if hi > lo:
         # Advice only: without it everything works the same on small pages.
         with contextlib.suppress(OSError, AttributeError):
-            ctypes.CDLL(None).madvise(ctypes.c_void_p(lo), ctypes.c_size_t(hi - lo), _MADV_HUGEPAGE)
+            _libc().madvise(ctypes.c_void_p(lo), ctypes.c_size_t(hi - lo), _MADV_HUGEPAGE)
     return t

@@ -25,6 +25,7 @@ steps already follow the load.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import threading
@@ -136,7 +137,9 @@ class ThreadGovernor:
         self.cpus = (_watched_cpus() if cpus is None else cpus) if enabled else []
         self.interval_s = interval_s
         self._clock = clock
-        self._sample = sample or (lambda: _sample_now(self.cpus))
+        # Bound to the list, not to self: a closure over self would make the governor a reference
+        # cycle, and its watch thread would outlive the engine until the cycle collector ran.
+        self._sample = sample or functools.partial(_sample_now, self.cpus)
         self._last = self._sample() if self.cpus else None
         self.enabled = self._last is not None
         self.taken = 0.0  # cores held by others in the last window, for stats and logs
