@@ -1,7 +1,7 @@
 """The template child process: the same prompt ids and the same 400s as templating here (special-token
 text kept literal, tools rendered, limits enforced), JSON errors as ``json.loads`` gives them, and
 templating goes on (in a new child, or here) when a child dies, cannot start or cannot be given the
-tokenizer."""
+tokenizer, and no request body can switch it off."""
 
 from __future__ import annotations
 
@@ -103,23 +103,48 @@ def test_template_body_in_process_matches(state):
     assert template_body(state, raw).prompt() == _here(state, raw)
 
 
-def test_a_dead_child_is_replaced_and_a_failing_one_abandoned(state, monkeypatch):
+def test_a_body_whose_answer_does_not_pickle_is_a_400_and_the_child_lives_on(child, state):
+    """Issue #47: JSON nested ~500-990 deep in an ignored field parses, but its answer does not
+    pickle; each such body used to kill the child, and three of them switched it off for good."""
+    raw = _raw(BODIES["many tiny messages"])
+    expected = _here(state, raw)
+    assert child.template(raw).prompt() == expected
+    first = child.worker.process
+    deep = raw[:-1] + b', "ignored": ' + b"[" * 700 + b"]" * 700 + b"}"
+    assert _here(state, deep) == expected  # templated here, the nesting ignored
+    for _ in range(child_worker.MAX_FAILURES + 2):
+        with pytest.raises(APIError) as err:
+            child.template(deep)
+        assert err.value.status == 400 and "nested too deeply" in err.value.message
+    assert child.worker.process is first and first.poll() is None and child.worker.failures == 0
+    assert child.template(raw).prompt() == expected
+    assert child.worker.process is first  # the same child answered
+
+
+def test_a_dead_child_is_replaced_however_often_and_a_failing_one_retried_later(state, monkeypatch):
     c = TemplateChild(state)
     try:
         raw = _raw(BODIES["many tiny messages"])
         expected = _here(state, raw)
         assert c.template(raw).prompt() == expected
-        first = c.worker.process
-        first.kill()
-        first.wait()
-        answer = c.template(raw)  # None (the caller templates) or a new child's answer: never lost
-        assert answer is None or answer.prompt() == expected
-        assert c.template(raw).prompt() == expected
-        assert c.worker.process is not None and c.worker.process is not first
+        for i in range(child_worker.MAX_FAILURES + 1):
+            first = c.worker.process
+            first.kill()
+            first.wait()
+            answer = c.template(raw)  # None (the caller templates) or a new child's answer: never lost
+            assert answer is None or answer.prompt() == expected
+            assert c.template(raw).prompt() == expected
+            assert c.worker.process is not None and c.worker.process is not first, i
         c.close()
         monkeypatch.setattr(sys, "executable", "/nonexistent/python")
-        assert c.template(raw) is None
-        assert c.worker.process is None and c.worker.failures >= child_worker.MAX_FAILURES
+        for _ in range(child_worker.MAX_FAILURES + 1):
+            assert c.template(raw) is None
+        assert c.worker.process is None and c.worker.failures == child_worker.MAX_FAILURES
+        monkeypatch.undo()
+        assert c.template(raw) is None  # no start tried until retry_seconds have passed
+        c.worker.retry_seconds = 0.0
+        assert c.template(raw).prompt() == expected
+        assert c.worker.failures == 0
     finally:
         c.close()
 
@@ -134,6 +159,6 @@ def test_a_tokenizer_that_does_not_pickle_starts_no_child(state, monkeypatch):
     c = TemplateChild(bad)
     try:
         assert c.template(_raw(BODIES["many tiny messages"])) is None
-        assert c.worker.process is None and c.worker.failures >= child_worker.MAX_FAILURES
+        assert c.worker.process is None and c.worker.failures == 1
     finally:
         c.close()

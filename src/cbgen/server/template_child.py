@@ -10,7 +10,9 @@ equal tokenizer; this process still validates the body and applies every other c
 
 The child imports cbgen and the tokenizer's libraries: it takes a few seconds and a few hundred MB
 to start, on the first large body.  Any trouble with it (it cannot start, it dies, the tokenizer
-does not pickle) means the work is done here, as before; a body is never lost.
+does not pickle) means the work is done here, as before; a body is never lost.  A body whose answer
+the child cannot pickle back (JSON nested too deeply) is refused with the JSON child's 400, and the
+child stays up (``server/child_worker.py``).
 """
 
 from __future__ import annotations
@@ -20,8 +22,9 @@ import sys
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
-from cbgen.server.child_worker import CHILD_LOOP, ChildWorker, python_argv
+from cbgen.server.child_worker import CHILD_LOOP, ChildWorker, UnserialisableAnswer, python_argv
 from cbgen.server.errors import APIError
+from cbgen.server.json_child import loads_here, unserialisable_body
 
 if TYPE_CHECKING:
     from cbgen.server.state import ServerLimits
@@ -90,7 +93,6 @@ class Templated:
 
 def template_body(state: Any, raw: bytes) -> Templated:
     """In the child: ``raw`` parsed, checked as this process would check it, and templated."""
-    from cbgen.server.json_child import loads_here
     from cbgen.server.prompts import chat_prompt
     from cbgen.server.schemas import ChatCompletionRequest
     from cbgen.server.translate import parse_json
@@ -149,8 +151,12 @@ class TemplateChild:
         return pickle.dumps(TemplateSettings.of(self._state), protocol=5)
 
     def template(self, raw: bytes) -> Templated | None:
-        """The child's :class:`Templated` for a chat body, or None when no child can answer."""
-        answer = self.worker.ask(raw)
+        """The child's :class:`Templated` for a chat body, or None when no child can answer.  Raises
+        :class:`APIError` (400) when the child's answer for this body cannot be passed back."""
+        try:
+            answer = self.worker.ask(raw)
+        except UnserialisableAnswer as exc:
+            raise unserialisable_body(exc) from None
         return answer if isinstance(answer, Templated) else None
 
     def close(self) -> None:
