@@ -44,10 +44,11 @@ from cbgen.model.input_batch import InputBuilder, ModelInput
 from cbgen.model.kv_cache import KVCache, KVGeometry, choose_num_blocks
 from cbgen.model.loading.weights import WeightWatcher
 from cbgen.model.plan import ExecutionPlan, resolve_plan
+from cbgen.model.rotary import length_rotary
 from cbgen.model.runner import ModelRunner
 from cbgen.output_processor import OutputProcessor
 from cbgen.outputs import RequestOutput
-from cbgen.request import Request, RequestGroup, RequestStatus
+from cbgen.request import Request, RequestGroup, RequestStatus, RopeSwitch
 from cbgen.sample.logits_processors import AllowedTokensProcessor, BadWordsProcessor
 from cbgen.sample.prompt_logprobs import record_prompt_logprobs
 from cbgen.sample.sampler import Sampler
@@ -100,6 +101,12 @@ class Engine:
                 )
             logger.info("cbgen: max_model_len capped at %d, the model's attention chunk", limit)
             self.max_model_len = limit
+        try:
+            self.length_rotary = length_rotary(model)
+        except NotImplementedError as exc:
+            raise support.UnsupportedModelError(str(exc)) from exc
+        if config.batch_invariant and self.length_rotary is not None:
+            self._cap_for_parity(self.length_rotary.threshold)
         self.eos_token_ids = frozenset(self._eos_ids(model, tokenizer))
 
         self._build_device_side(model, config)
@@ -145,6 +152,25 @@ class Engine:
         # Streamed ones belong to their stream's reader (AsyncEngine, the server).
         self.on_abort: Callable[[RequestOutput], None] | None = None
 
+    def _cap_for_parity(self, threshold: int) -> None:
+        """Parity mode on a model whose rotary frequencies switch with the sequence length: the
+        trainer's forward over a whole padded batch picks one set from the batch's longest row,
+        the engine one per token, so the two agree only while no sequence passes the switch."""
+        if self.max_model_len <= threshold:
+            return
+        if self.config.max_model_len:
+            raise ValueError(
+                f"batch_invariant=True with max_model_len={self.config.max_model_len}: "
+                f"{type(self.model).__name__}'s rotary frequencies switch past {threshold} tokens, where "
+                "the trainer's forward and the engine's can no longer agree bit for bit; use "
+                f"max_model_len <= {threshold}"
+            )
+        logger.info(
+            "cbgen: max_model_len capped at %d for parity mode: the rotary frequencies switch past it",
+            threshold,
+        )
+        self.max_model_len = threshold
+
     def _build_device_side(self, model: torch.nn.Module, config: EngineConfig) -> None:
         """The KV cache sized for this model and budget, the block manager and scheduler over it,
         the execution plan (resolved once, logged), the runner that follows it, and the input
@@ -174,15 +200,25 @@ class Engine:
             max_num_seqs=config.max_num_seqs,
             max_model_len=self.max_model_len,
             cuda_graph_max_batch=config.cuda_graph_max_batch,
+            length_rotary=self.length_rotary,
         )
         self.runner.warmup()
         if config.verify_model:
             support.probe(self)
+            # The probe's sequences are short: where the rotary switches sets with the length, the
+            # per-token tables are checked against the module at the switch too.
+            why = self.length_rotary.check(self.dtype) if self.length_rotary is not None else None
+            if why is not None:
+                raise support.UnsupportedModelError(why)
         if plan.forward == "direct":
             self.runner.direct_check_done(direct_forward.self_check(self))
         # Short prefill chunks as decode-kernel rows: measured on the C kernels only (see input_batch).
         self.input_builder = InputBuilder(
-            config.block_size, self.device, row_prefill_max=plan.row_prefill_max, num_blocks=num_blocks
+            config.block_size,
+            self.device,
+            row_prefill_max=plan.row_prefill_max,
+            num_blocks=num_blocks,
+            rope_extents=self.length_rotary is not None,
         )
 
     @property
@@ -276,7 +312,15 @@ class Engine:
             params = _with_max_tokens(params, max_tokens)
         eos = frozenset() if params.ignore_eos else self.eos_token_ids
         group = RequestGroup.create(
-            request_id, prompt_token_ids, params, eos, prompt, stream, weight_version=self.weights.version
+            request_id,
+            prompt_token_ids,
+            params,
+            eos,
+            prompt,
+            stream,
+            weight_version=self.weights.version,
+            cache_salt=self.cache_salt(len(prompt_token_ids)),
+            rope_switch=self._rope_switch(len(prompt_token_ids)),
         )
         for sample in group.samples:
             self.output_processor.init_request(sample, stream)
@@ -284,6 +328,29 @@ class Engine:
         leader = group.samples[0]
         self.scheduler.add(leader)
         self.stats.prompt_tokens += len(prompt_token_ids)
+
+    def cache_salt(self, prompt_len: int) -> int | None:
+        """The prefix-cache salt of a prompt of ``prompt_len`` tokens: the rotary frequency set its
+        tokens get on models where that depends on the length (cbgen.model.rotary), else None."""
+        return None if self.length_rotary is None else self.length_rotary.cache_key(prompt_len)
+
+    def _rope_switch(self, prompt_len: int) -> RopeSwitch | None:
+        found = self.length_rotary.switch_for(prompt_len) if self.length_rotary is not None else None
+        return RopeSwitch(*found) if found is not None else None
+
+    def _switch_rotary_sets(self) -> None:
+        """Requests that reached their ``rope_switch`` length drop their K/V and are recomputed with
+        every token under the new set, as the model's ``generate()`` does (cbgen.model.rotary)."""
+        for r in [*self.scheduler.running, *self.scheduler.waiting]:
+            switch = r.rope_switch
+            if switch is None or r.rope_switched or r.num_tokens < switch.at or r.is_finished:
+                continue
+            if r.num_computed_tokens or r.status is RequestStatus.RUNNING:
+                self.scheduler.remove(r)
+                r.num_computed_tokens = 0
+                self.scheduler.requeue(r)
+            r.block_hashes.clear()
+            r.rope_switched = True
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Aborts a request (all its samples) and frees its blocks; returns its final output, or
@@ -463,6 +530,8 @@ class Engine:
         and its own partial prefix hits.  Requests that can never be scheduled end here."""
         t0 = time.perf_counter()
         self.scheduler.remove_finished()
+        if self.length_rotary is not None and self.length_rotary.recomputes:
+            self._switch_rotary_sets()
         sched = self.scheduler.schedule()
         for request in sched.failed:
             ended = step_update.finish(self.scheduler, request, RequestStatus.FINISHED_ERROR, request.error)
@@ -484,7 +553,9 @@ class Engine:
         logits = self.runner.execute(batch)
         crossed = step_update.advance(batch.scheduled, self.block_manager.block_size)
         if batch.prompt_rows:
-            record_prompt_logprobs(batch.prompt_rows, logits[: batch.num_prompt_rows])
+            record_prompt_logprobs(
+                batch.prompt_rows, logits[: batch.num_prompt_rows], parity=self.plan.parity
+            )
         times = {"forward": time.perf_counter() - t}
         return LaunchedStep(batch, crossed, logits[batch.num_prompt_rows :], times=times)
 

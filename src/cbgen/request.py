@@ -41,6 +41,16 @@ _TERMINAL = frozenset(
 )
 
 
+@dataclass(frozen=True)
+class RopeSwitch:
+    """When the sequence reaches ``at`` tokens its K/V is dropped and recomputed, every token with a
+    rotary extent of at least ``at``, and its prefix-cache salt becomes ``salt`` (what its blocks
+    hold from then on is what a prompt of ``at`` tokens or more holds)."""
+
+    at: int
+    salt: int
+
+
 @dataclass(eq=False)
 class Request:
     """One sequence: a prompt plus the tokens generated so far.
@@ -59,6 +69,14 @@ class Request:
     sample_index: int = 0
     arrival_time: float = field(default_factory=time.monotonic)
     prompt: str | None = None
+    # The root of the request's prefix-cache hash chain: requests whose equal tokens may hold
+    # different K/V (a rotary frequency set chosen by the prompt's length, cbgen.model.rotary)
+    # differ here; None for everything else.
+    cache_salt: int | None = None
+    # A model that recomputes a sequence's whole cache once the sequence reaches a length (Phi-3's
+    # rotary switch, cbgen.model.rotary): see RopeSwitch.  ``rope_switched`` once it happened.
+    rope_switch: RopeSwitch | None = None
+    rope_switched: bool = False
 
     token_ids: list[int] = field(init=False)
     num_prompt_tokens: int = field(init=False)
@@ -106,6 +124,16 @@ class Request:
             self.top_logprobs = []
 
     @property
+    def prefix_salt(self) -> int | None:
+        """The root of the request's prefix-cache hash chain (see ``cache_salt``, ``rope_switch``)."""
+        return self.rope_switch.salt if self.rope_switched else self.cache_salt
+
+    @property
+    def rope_floor(self) -> int:
+        """The smallest rotary extent any of its tokens gets (cbgen.model.rotary)."""
+        return self.rope_switch.at if self.rope_switched else 0
+
+    @property
     def num_tokens(self) -> int:
         """Prompt plus generated tokens, counting one still on the device."""
         return len(self.token_ids) + self.pending
@@ -140,6 +168,7 @@ class Request:
         """Forgets every generated token and its logprobs (a restart from the prompt)."""
         del self.token_ids[self.num_prompt_tokens :]
         self.block_hashes.clear()  # they covered the dropped tokens too; recomputed on demand
+        self.rope_switched = False  # the prompt alone has not reached the switch
         self.pending = False
         self.num_computed_tokens = 0
         self.token_logprobs.clear()
@@ -175,6 +204,8 @@ class RequestGroup:
         prompt: str | None = None,
         stream: bool = False,
         weight_version: int = 0,
+        cache_salt: int | None = None,
+        rope_switch: RopeSwitch | None = None,
     ) -> RequestGroup:
         """A new group of ``params.n`` sequences: sample 0 leads (and holds the prompt logprobs),
         the others wait to fork from its prompt."""
@@ -188,6 +219,8 @@ class RequestGroup:
                 sample_index=i,
                 prompt=prompt,
                 weight_version=weight_version,
+                cache_salt=cache_salt,
+                rope_switch=rope_switch,
             )
             for i in range(params.n)
         ]

@@ -15,6 +15,9 @@ It changes two kinds of op, and lets every other one through unchanged:
   value depends on itself alone.
 
 Ops run by a backward pass (autograd's graph task) pass unchanged: gradients need no invariance.
+The exception is a checkpointed layer's recomputation, a forward that runs inside the backward: it
+must give the forward's activations to the bit, so its mode is entered with ``replay=True``
+(:mod:`cbgen.batch_invariant.context`).
 
 Per-row reductions (RMSNorm's mean, softmax, log_softmax) already reduce each row in an order set by
 the row's length, and exact elementwise ops (add, mul, div, sqrt, rsqrt) give the same bits
@@ -126,7 +129,8 @@ for _op in ("silu", "gelu", "tanh", "sigmoid", "exp", "log", "sin", "cos", "erf"
     _HANDLERS[getattr(aten, _op).default] = _lanewise(getattr(aten, _op).default)
 
 
-def _in_backward() -> bool:
+def in_backward() -> bool:
+    """Whether the calling thread is running a backward pass (an autograd graph task)."""
     return torch._C._current_graph_task_id() != -1
 
 
@@ -134,16 +138,18 @@ class ParityOps(TorchDispatchMode):
     """Batch-invariant matrix products and transcendental functions for the ops run while it is
     entered (``with ParityOps(): ...``), on this thread (see the module docstring).  ``packs``: the
     engine's packed weights (:class:`cbgen.batch_invariant.packs.WeightPacks`); without them each
-    product packs its weight for the call, with the same result."""
+    product packs its weight for the call, with the same result.  ``replay``: handle ops inside a
+    backward pass too (a checkpointed layer's recomputation)."""
 
-    def __init__(self, packs: WeightPacks | None = None) -> None:
+    def __init__(self, packs: WeightPacks | None = None, replay: bool = False) -> None:
         super().__init__()
         self.packs = packs
+        self.replay = replay
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         handler = _HANDLERS.get(func)
         # Backward passes (a graph task running) need no invariance: their real kernels are faster.
-        if handler is None or _in_backward():
+        if handler is None or (not self.replay and in_backward()):
             return func(*args, **(kwargs or {}))
         return handler(self.packs, *args, **(kwargs or {}))
 

@@ -1,10 +1,19 @@
-"""The trainer side's attention in parity mode, registered with transformers' ``AttentionInterface``.
+"""The trainer side's attention in parity mode, registered with transformers' ``AttentionInterface``
+and ``AttentionMaskInterface`` under one name.
 
-It runs :func:`cbgen.batch_invariant.attention_core.blocked_attention` on a plain ``[B, L]`` batch, padded or
-not: each row's keys are laid out by their absolute position (the row's own token count, not the
-tensor index), as the engine's paged cache holds them, so left-padded rows attend exactly like an
-unpadded sequence.  The positions come from the ``cbgen_parity`` keyword the parity context adds to
-each model call (:class:`RowPositions`); without it every row is taken as unpadded.
+It runs :func:`cbgen.batch_invariant.attention_core.blocked_attention` on a plain ``[B, L]`` batch,
+padded or not: each row's keys are laid out by their absolute position (the row's own token count,
+not the tensor index), as the engine's paged cache holds them, so left-padded rows attend exactly
+like an unpadded sequence.
+
+The positions come from the batch's mask.  transformers builds the mask of every forward through
+the mask function registered for the attention implementation in force; cbgen's
+(:func:`parity_mask`) builds the whole boolean mask the way transformers' own SDPA mask function
+does, checks that it is a causal mask over each row's real tokens (left or right padding, a sliding
+window), and hands the attention a :class:`ParityMask` with each token's position in its own row.
+So the mask reaches the attention however the model was called (keyword or positional), and a mask
+the parity attention cannot reproduce (packed sequences, a bidirectional or custom mask) is refused
+instead of ignored.
 """
 
 from __future__ import annotations
@@ -13,6 +22,7 @@ from dataclasses import dataclass
 
 import torch
 from transformers import AttentionInterface
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
 from cbgen.batch_invariant.attention_core import blocked_attention
 from cbgen.batch_invariant.native import parity_form
@@ -35,6 +45,67 @@ class RowPositions:
         return cls(torch.where(mask > 0, mask.cumsum(-1) - 1, torch.full_like(mask, -1)))
 
 
+@dataclass
+class ParityMask:
+    """What :func:`parity_mask` gives transformers as a batch's mask: the row positions, and the
+    sliding window the mask was built with where it hides a key (None where it hides none)."""
+
+    rows: RowPositions
+    window: int | None
+
+
+def parity_mask(
+    batch_size: int,
+    q_length: int,
+    kv_length: int,
+    q_offset: int = 0,
+    kv_offset: int = 0,
+    mask_function=None,
+    attention_mask: torch.Tensor | None = None,
+    local_size: int | None = None,
+    device: torch.device | str = "cpu",
+    **kwargs,
+) -> ParityMask:
+    """transformers' mask hook for the parity implementation (see the module docstring)."""
+    if q_offset or kv_offset or q_length != kv_length:
+        raise NotImplementedError(
+            "cbgen.parity supports forwards over whole sequences, not decoding with a KV cache "
+            "(call the model with use_cache=False or without past_key_values)"
+        )
+    extra = {"mask_function": mask_function} if mask_function is not None else {}
+    full = sdpa_mask(
+        batch_size=batch_size,
+        q_length=q_length,
+        kv_length=kv_length,
+        attention_mask=attention_mask,
+        local_size=local_size,
+        allow_is_causal_skip=False,
+        use_vmap=bool(kwargs.get("use_vmap", False)),
+        device=device,
+        **extra,
+    )
+    if attention_mask is None:
+        real = torch.ones(batch_size, kv_length, dtype=torch.bool, device=device)
+    else:
+        real = attention_mask.to(device=device, dtype=torch.bool)
+    rows = RowPositions.from_mask(real)
+    pos = rows.positions
+    distance = pos[:, :, None] - pos[:, None, :]  # query position - key position
+    pair = real[:, :, None] & real[:, None, :]
+    want = pair & (distance >= 0)
+    hides = local_size is not None and bool((want & (distance >= local_size)).any())
+    if hides:
+        want &= distance < local_size
+    got = full.expand(batch_size, 1, q_length, kv_length)[:, 0]
+    if not bool(((got == want) | ~real[:, :, None]).all()):
+        raise NotImplementedError(
+            "cbgen.parity computes causal attention over each row's own tokens (left or right padding, a "
+            "sliding window): this forward's mask is another (packed sequences, position_ids that restart "
+            "inside a row, a bidirectional or custom mask)"
+        )
+    return ParityMask(rows, local_size if hides else None)
+
+
 def parity_attention_forward(
     module: torch.nn.Module,
     query: torch.Tensor,
@@ -48,7 +119,9 @@ def parity_attention_forward(
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
     """``query [B, H, L, D]``, ``key``/``value [B, Hkv, L, D]`` -> ``[B, L, H, D]`` (see the module
-    docstring); ``attention_mask`` is unused (visibility comes from the row positions)."""
+    docstring); ``attention_mask`` is :func:`parity_mask`'s :class:`ParityMask` (visibility comes
+    from its row positions), or None for a model that builds no mask (then the rows are taken as
+    the parity context's pre-hook laid them out, or as unpadded)."""
     if dropout:
         raise ValueError("parity mode computes attention without dropout (set attention_dropout=0)")
     if kwargs.get("s_aux") is not None:
@@ -61,11 +134,25 @@ def parity_attention_forward(
             "cbgen.parity supports forwards over whole sequences, not decoding with a KV cache "
             "(call the model with use_cache=False or without past_key_values)"
         )
-    layout: RowPositions | None = kwargs.get("cbgen_parity")
-    if layout is None:
-        pos = torch.arange(length, device=query.device).expand(batch, length)
+    if isinstance(attention_mask, ParityMask):
+        if attention_mask.window is not None and attention_mask.window != sliding_window:
+            raise NotImplementedError(
+                f"{type(module).__name__}'s mask hides keys past a window of {attention_mask.window} tokens "
+                f"and its attention is given sliding_window={sliding_window}"
+            )
+        pos = attention_mask.rows.positions.to(query.device)
+    elif attention_mask is not None:
+        raise NotImplementedError(
+            f"{type(module).__name__} gives attention a mask made outside transformers' mask functions, which "
+            "cbgen.parity cannot check"
+        )
     else:
-        pos = layout.positions.to(query.device)
+        layout: RowPositions | None = kwargs.get("cbgen_parity")
+        if layout is None:
+            pos = torch.arange(length, device=query.device).expand(batch, length)
+        else:
+            pos = layout.positions.to(query.device)
+    _check_position_ids(module, kwargs.get("position_ids"), pos)
     q = query.transpose(1, 2)  # [B, L, H, D]
     k, v = key.transpose(1, 2), value.transpose(1, 2)
     real = pos >= 0
@@ -82,6 +169,22 @@ def parity_attention_forward(
         kernel = parity_attention if form == "c" else triton_parity_attention
         return _NativeAttention.apply(q, k, v, pos, scale, sliding_window, softcap, kernel), None
     return blocked_attention(q, k, v, pos, scale, sliding_window, softcap), None
+
+
+def _check_position_ids(module: torch.nn.Module, position_ids, pos: torch.Tensor) -> None:
+    """The rotary positions the model used must be each real token's position in its row (what the
+    engine gives it), or the logits differ from the engine's however exact the attention is.  Once
+    per forward (the first layer), where the model passes its ``position_ids`` on to attention."""
+    if not isinstance(position_ids, torch.Tensor) or getattr(module, "layer_idx", 0) != 0:
+        return
+    ids = position_ids.to(pos.device).expand_as(pos)
+    real = pos >= 0
+    if not bool((ids[real] == pos[real]).all()):
+        raise ValueError(
+            "cbgen.parity: the forward's position_ids are not each token's position in its own row, as "
+            "the engine numbers them: pass the padding mask as attention_mask (cbgen.parity then sets "
+            "position_ids from it), or position_ids = mask.cumsum(-1) - 1 for real tokens"
+        )
 
 
 class _NativeAttention(torch.autograd.Function):
@@ -153,9 +256,11 @@ _registered = False
 
 
 def register() -> str:
-    """Registers :func:`parity_attention_forward` with transformers (idempotent); returns its name."""
+    """Registers :func:`parity_attention_forward` and :func:`parity_mask` with transformers
+    (idempotent); returns their name."""
     global _registered
     if not _registered:
         AttentionInterface.register(ATTN_NAME, parity_attention_forward)
+        ALL_MASK_ATTENTION_FUNCTIONS.register(ATTN_NAME, parity_mask)
         _registered = True
     return ATTN_NAME

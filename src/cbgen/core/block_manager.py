@@ -4,7 +4,8 @@ Pure Python (no torch) so it can be property-tested without a model.  A block's 
 on the device; here we only track who holds which block and which full blocks can be reused.
 
 Prefix caching: every full block of a sequence gets a chained hash
-``h_i = hash((h_{i-1}, tokens of block i))``.  A block is only published under its hash once all
+``h_i = hash((h_{i-1}, tokens of block i))``, whose root ``h_{-1}`` is the request's ``prefix_salt``
+(None for most models; see :class:`cbgen.request.Request`).  A block is only published under its hash once all
 its tokens have been computed.  A lookup also compares the stored tokens, so a hash collision can
 never serve the wrong K/V.  Freed blocks keep their hash and sit in an LRU free list until they
 are reused, so a later request with the same prefix can revive them.
@@ -93,7 +94,7 @@ class BlockManager:
         bs = self.block_size
         while len(hashes) < num_full_blocks:
             i = len(hashes)
-            parent = hashes[-1] if hashes else None
+            parent = hashes[-1] if hashes else request.prefix_salt
             hashes.append(hash((parent, tuple(tokens[i * bs : (i + 1) * bs]))))
         return hashes
 
@@ -133,7 +134,9 @@ class BlockManager:
         if room < 1:
             return None
         parent = (
-            self._block_hashes(request, num_full_blocks)[num_full_blocks - 1] if num_full_blocks else None
+            self._block_hashes(request, num_full_blocks)[num_full_blocks - 1]
+            if num_full_blocks
+            else request.prefix_salt
         )
         want = tuple(request.token_ids[start : start + room])
         for m in reversed(self._lengths):
@@ -175,7 +178,7 @@ class BlockManager:
                 continue  # an identical block is already published; keep ours private
             block.block_hash = hashes[i]
             block.token_ids = tuple(request.token_ids[i * bs : (i + 1) * bs])
-            block.parent_hash = hashes[i - 1] if i else None
+            block.parent_hash = hashes[i - 1] if i else request.prefix_salt
             self._cached[hashes[i]] = block.block_id
             for m in self._lengths:
                 self._partial[hash((block.parent_hash, block.token_ids[:m]))] = block.block_id

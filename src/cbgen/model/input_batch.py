@@ -46,6 +46,9 @@ class ModelInput:
     # Overlap scheduling: (row, request) whose input token was still on the device at build time
     # (decode rows, so the row is also the packed position).
     pending_rows: list[tuple[int, Request]] = field(default_factory=list)
+    # [T] int64, each token's extent max(prompt length, position + 1, its request's rope_floor), for
+    # models whose rotary frequencies depend on the sequence length (cbgen.model.rotary); else None.
+    rope_extents: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -57,9 +60,16 @@ class InputBuilder:
     """Builds :class:`ModelInput` for the runner."""
 
     def __init__(
-        self, block_size: int, device: torch.device, row_prefill_max: int = 0, num_blocks: int | None = None
+        self,
+        block_size: int,
+        device: torch.device,
+        row_prefill_max: int = 0,
+        num_blocks: int | None = None,
+        rope_extents: bool = False,
     ) -> None:
         self.block_size = block_size
+        # Whether steps carry ModelInput.rope_extents.
+        self.rope_extents = rope_extents
         self.device = device
         # The cache's size: every block id and slot of a step is checked against it on the host,
         # before it reaches a device kernel that could not check it without a sync.
@@ -111,6 +121,15 @@ class InputBuilder:
         if meta.row_prefill_chunks:
             self._row_prefill_meta(pack.tables[: meta.row_prefill_chunks], positions, meta)
         logits_rows, sample_requests, prompt_rows, num_prompt_rows = _logits_rows(order)
+        extents = None
+        if self.rope_extents:
+            prompt_lens = np.repeat(
+                np.fromiter(
+                    (max(r.num_prompt_tokens, r.rope_floor) for r, _ in order), np.int64, count=len(order)
+                ),
+                [n for _, n in order],
+            )
+            extents = self._to_device(np.maximum(prompt_lens, positions + 1), torch.int64)
         return ModelInput(
             pending_rows=[(row, r) for row, (r, _) in enumerate(decodes) if r.pending],
             input_ids=self._to_device(input_ids, torch.int64),
@@ -121,6 +140,7 @@ class InputBuilder:
             sample_requests=sample_requests,
             prompt_rows=prompt_rows,
             num_prompt_rows=num_prompt_rows,
+            rope_extents=extents,
         )
 
     def _check_blocks(self, table: np.ndarray) -> None:

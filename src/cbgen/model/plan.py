@@ -64,6 +64,7 @@ from cbgen.model.cpu_fast import decode_loops, fused_forward
 from cbgen.model.cpu_fast.gemm_choice import ROW_CLASSES, GemmPlan
 from cbgen.model.kernels.cpu import ops as cpu_kernels
 from cbgen.model.kv_cache import KVGeometry
+from cbgen.model.rotary import length_rotary
 
 log = logging.getLogger("cbgen")
 
@@ -211,6 +212,7 @@ def resolve_plan(
     )
     backend = make_backend(attention, device)
     decode_mode, decode_mode_why = decode_mode_choice(config.decode_mode, device, config.compile, backend)
+    decode_mode, decode_mode_why = _unpadded_for_length_rotary(model, config, decode_mode, decode_mode_why)
     forward, forward_why = _forward_choice(model, config, dtype, attention, decode_mode)
     gemms, shapes, c_step, c_step_why = None, (), frozenset(), "not with the module forward"
     if forward == "fused":
@@ -271,6 +273,7 @@ def _parity_plan(
             "eager",
             "parity mode runs decode steps eagerly unless 'static' is asked",
         )
+    decode_mode, decode_mode_why = _unpadded_for_length_rotary(model, config, decode_mode, decode_mode_why)
     sampled_rows, sampled_rows_why = _sampled_rows_choice(device)
     forward, forward_why = _parity_forward_choice(model, device, dtype, decode_mode)
     greedy, greedy_why = _greedy_choice(device, dtype)
@@ -361,6 +364,30 @@ def decode_mode_choice(
     if compile:
         return "static", "auto with compile: torch.compile compiles the padded decode path"
     return "eager", f"auto on {device.type} without compile"
+
+
+def _unpadded_for_length_rotary(
+    model: nn.Module, config: EngineConfig, decode_mode: str, why: str
+) -> tuple[str, str]:
+    """Eager decode steps where the rotary frequencies depend on each sequence's length: the
+    per-token tables (cbgen.model.rotary) follow the packed batch, which a padded bucket is not."""
+    if decode_mode == "eager" or not _has_length_rotary(model):
+        return decode_mode, why
+    if config.decode_mode != "auto":
+        raise ValueError(
+            f"decode_mode={config.decode_mode!r}: the model's rotary frequencies depend on each sequence's "
+            "length, which padded decode steps cannot follow (use 'auto' or 'eager')"
+        )
+    if config.compile:
+        raise ValueError("compile=True compiles the padded decode path, which this model's rotary cannot use")
+    return "eager", "the rotary frequencies depend on each sequence's length (per-token tables)"
+
+
+def _has_length_rotary(model: nn.Module) -> bool:
+    try:
+        return length_rotary(model) is not None
+    except NotImplementedError:
+        return True
 
 
 def _forward_choice(

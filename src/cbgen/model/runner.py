@@ -1,8 +1,10 @@
 """Runs the user's model on a packed batch and returns logits only for the rows that need them.
 
-The model is used as it is: no copy, no weight conversion.  For the duration of one forward the
-runner switches the attention implementation to cbgen's paged function and puts modules in eval
-mode; both are restored in ``finally`` blocks, so the module the trainer sees never changes.
+The model is used as it is: no copy, no weight conversion.  For the duration of one forward, and
+on the engine's thread only, the model runs cbgen's paged attention, in eval mode, with per-token
+rotary tables where its rotary frequencies depend on the sequence length
+(:mod:`cbgen.model.thread_view`, :mod:`cbgen.model.rotary`): a trainer using the same module on
+another thread at that moment sees it as it is.
 """
 
 from __future__ import annotations
@@ -11,14 +13,16 @@ import contextlib
 import dataclasses
 import functools
 import logging
+import weakref
 from collections.abc import Callable, Iterator
 
 import torch
 
+from cbgen.batch_invariant import context as parity_context
 from cbgen.batch_invariant.direct_forward import ParityDirectForward
 from cbgen.batch_invariant.dispatch import ParityOps
 from cbgen.batch_invariant.packs import WeightPacks
-from cbgen.model import attention
+from cbgen.model import attention, thread_view
 from cbgen.model.backends import make_backend
 from cbgen.model.cpu_fast import decode_loops
 from cbgen.model.cpu_fast.fused_forward import FusedDecoder
@@ -27,6 +31,7 @@ from cbgen.model.graphs import StaticDecodeRunner
 from cbgen.model.input_batch import ModelInput
 from cbgen.model.kv_cache import KVCache
 from cbgen.model.plan import PARITY_MODULE_WHY, ExecutionPlan, resolve_again
+from cbgen.model.rotary import LengthRotary
 
 log = logging.getLogger("cbgen")
 
@@ -80,12 +85,19 @@ class ModelRunner:
         max_num_seqs: int = 256,
         max_model_len: int = 8192,
         cuda_graph_max_batch: int | None = None,
+        length_rotary: LengthRotary | None = None,
     ) -> None:
         self.model = model
         self.kv_cache = kv_cache
         self.device = plan.device
         self.attn_name = attention.register()
         self._configs = attention.attention_configs(model)
+        # Per-token cos/sin for rotary types whose frequencies depend on the sequence length.
+        self.length_rotary = length_rotary
+        # Keeps the thread-view properties installed between steps (see thread_view.Hold); let go
+        # when the runner is.
+        self._hold = thread_view.Hold()
+        weakref.finalize(self, self._hold.release)
         self.attn_backend = backend = make_backend(
             plan.attention, plan.device, decode_loops.IMPLS[plan.decode_loops]
         )
@@ -207,27 +219,42 @@ class ModelRunner:
     def warmup(self) -> None:
         """Captures the decode CUDA graphs (largest bucket first) before the first request."""
         if self.static is not None and self.static.use_cuda_graphs:
-            with torch.inference_mode(), self._paged_mode():
+            with torch.inference_mode(), self._module_view():
                 self.static.capture_all()
 
     @contextlib.contextmanager
-    def _paged_mode(self) -> Iterator[None]:
-        """Swaps in paged attention and eval mode for one forward, then restores both exactly."""
-        saved_impl = [(cfg, cfg._attn_implementation_internal) for cfg in self._configs]
-        saved_training = None
-        if self.model.training or any(m.training for m in self.model.modules()):
-            saved_training = [(m, m.training) for m in self.model.modules()]
-            self.model.eval()
-        try:
-            for cfg, _ in saved_impl:
-                cfg._attn_implementation_internal = self.attn_name
+    def _module_view(self) -> Iterator[None]:
+        """This thread's view of the model for one module forward: cbgen's paged attention, and eval
+        mode when some module is in training mode.  Other threads see the model as it is."""
+        self._hold.attention(self._configs)
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(thread_view.attention(self._configs, self.attn_name))
+            if any(m.training for m in self.model.modules()):
+                self._hold.training()
+                stack.enter_context(thread_view.eval_mode())
             yield
-        finally:
-            for cfg, impl in saved_impl:
-                cfg._attn_implementation_internal = impl
-            if saved_training is not None:
-                for module, flag in saved_training:
-                    module.training = flag
+
+    def _rotary_view(self, batch: ModelInput) -> contextlib.AbstractContextManager:
+        """Per-token rotary tables for this step (whatever forward runs it) when the model's rotary
+        frequencies depend on the sequence length, else nothing."""
+        rotary = self.length_rotary
+        if rotary is None:
+            return contextlib.nullcontext()
+        extents = batch.rope_extents
+        if extents is None:
+            raise RuntimeError(
+                "a step of a model with length-dependent rotary frequencies came without extents"
+            )
+
+        def per_token(x: torch.Tensor, position_ids: torch.Tensor, *args, **kwargs):
+            if position_ids.numel() != extents.numel():
+                raise RuntimeError(
+                    f"the rotary module was called for {position_ids.numel()} positions in a step of "
+                    f"{extents.numel()} tokens"
+                )
+            return rotary.cos_sin(x, position_ids.reshape(-1), extents)
+
+        return thread_view.forward(rotary.module, per_token)
 
     def _parity_ops(self) -> contextlib.AbstractContextManager:
         """The parity dispatch mode under the parity plan (the trainer side runs under the same
@@ -237,6 +264,12 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, batch: ModelInput) -> torch.Tensor:
         """Forward over the packed batch; returns logits ``[R, V]`` for ``batch.logits_indices``."""
+        if parity_context.active_on_this_thread():
+            # The context's dispatch mode is this thread's: the step's products would run through it.
+            raise RuntimeError(
+                "a cbgen step ran inside `with cbgen.parity(...)` on the same thread: generate outside "
+                "the parity context (it is for the trainer's forward)"
+            )
         meta = batch.meta
         meta.kv_caches = self.kv_cache.layers
         meta.backend = self.attn_backend
@@ -244,10 +277,14 @@ class ModelRunner:
             # The one check before a step (see cbgen.model.plan): hooks and module swaps reach no
             # weight fingerprint, and a fused step over them would compute the wrong thing.
             self._replan("the model's modules, hooks or weight storage changed")
+        with self._rotary_view(batch):
+            return self._execute(batch, meta)
+
+    def _execute(self, batch: ModelInput, meta: attention.AttentionMetadata) -> torch.Tensor:
         if self.fused is not None:
-            # Outside _paged_mode: the fused path calls no module whose result depends on the
-            # attention setting or on training mode (it computes the eval-mode math itself), and
-            # that mode switch walks every module of the model (~1 ms a step for 30 layers).
+            # No module view: the fused path calls no module whose result depends on the attention
+            # setting or on training mode (it computes the eval-mode math itself), and the view's
+            # training check walks every module of the model (~1 ms a step for 30 layers).
             return self.fused.forward(batch.input_ids, batch.positions, batch.logits_indices, meta)
         if self.direct is not None:
             # The parity plan's direct forward (cbgen.batch_invariant.direct_forward): like the
@@ -255,7 +292,7 @@ class ModelRunner:
             # training mode, and it runs the parity kernels itself.
             with attention.step_metadata(meta):
                 return self.direct.forward(batch.input_ids, batch.positions, batch.logits_indices, meta)
-        with self._paged_mode(), self._parity_ops():
+        with self._module_view(), self._parity_ops():
             if self.static is not None and self.static.can_run(batch):
                 return self.static.run(batch)
             return self._forward(batch.input_ids, batch.positions, batch.logits_indices, meta)
@@ -274,7 +311,9 @@ class ModelRunner:
             self.direct.weights_changed()
 
     def release(self) -> None:
-        """Drops graphs, static buffers and packed weights (the KV cache is released by its owner)."""
+        """Drops graphs, static buffers and packed weights (the KV cache is released by its owner),
+        and lets the thread-view properties go."""
+        self._hold.release()
         if self.static is not None:
             self.static.release()
         if self.fused is not None:

@@ -251,7 +251,13 @@ def _probe_setup(engine):
     if engine.kv_cache.num_blocks < need or engine.max_model_len < _B_LEN:
         return None
     # Row prefill (short chunks as decode rows) is part of what runs, so the probe builds like the engine.
-    builder = InputBuilder(bs, engine.device, row_prefill_max=engine.plan.row_prefill_max, num_blocks=need)
+    builder = InputBuilder(
+        bs,
+        engine.device,
+        row_prefill_max=engine.plan.row_prefill_max,
+        num_blocks=need,
+        rope_extents=engine.length_rotary is not None,
+    )
     engine.kv_cache.allocate()
     return builder, need
 

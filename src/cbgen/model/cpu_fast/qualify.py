@@ -105,8 +105,18 @@ def _global_hooks() -> bool:
     return bool(glob._global_forward_hooks or glob._global_forward_pre_hooks)
 
 
+def inert(hook: object) -> bool:
+    """Whether a hook is one of cbgen's own that acts only on threads inside a cbgen context (the
+    parity context's positions hook): it changes nothing an engine step computes."""
+    return getattr(hook, "cbgen_inert", False) is True
+
+
+def _live(hooks: dict) -> int:
+    return sum(1 for h in hooks.values() if not inert(h))
+
+
 def _hooked(module: nn.Module) -> bool:
-    return bool(module._forward_hooks or module._forward_pre_hooks)
+    return bool(_live(module._forward_hooks) or _live(module._forward_pre_hooks))
 
 
 def _any_hooks(model: nn.Module) -> bool:
@@ -167,9 +177,12 @@ class StructureWatch:
         # the dicts' sizes keep a child that moved between parents from reading as unchanged.
         values = itertools.chain.from_iterable
         storage = map(_storage, snap.params) if snap.sharded else map(torch.Tensor.data_ptr, snap.params)
+        hooks = list(map(len, snap.hook_dicts))
+        if any(hooks):  # rare: count only hooks that can change a step (not cbgen's inert ones)
+            hooks = [n and _live(d) for n, d in zip(hooks, snap.hook_dicts)]
         return (
             _global_hooks(),
-            list(map(len, snap.hook_dicts)),
+            hooks,
             list(map(len, snap.child_dicts)),
             list(map(id, values(map(dict.values, snap.child_dicts)))),
             list(map(len, snap.param_dicts)),

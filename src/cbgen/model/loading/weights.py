@@ -126,11 +126,27 @@ def _versioned(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     return [t for t in tensors if not t.is_inference()]
 
 
-def _local_tensors(model: torch.nn.Module) -> list[torch.Tensor]:
-    """Parameters and buffers; a tensor-parallel (DTensor) one as this rank's shard, whose version
-    counter and storage are what in-place updates change."""
+def _persistent_buffers(model: torch.nn.Module) -> list[torch.Tensor]:
+    """Buffers that are part of the state dict.  Non-persistent ones are derived by the model and
+    may be rewritten by its own forward (a longrope or dynamic rotary module swaps its frequency set
+    with the sequence length): counting those as weight changes would restart every request each
+    time a long sequence flips them, and the restarted short prefill flips them back."""
+    seen: set[int] = set()
     out = []
-    for t in [*model.parameters(), *model.buffers()]:
+    for module in model.modules():
+        skip = module._non_persistent_buffers_set
+        for name, buf in module._buffers.items():
+            if buf is not None and name not in skip and id(buf) not in seen:
+                seen.add(id(buf))
+                out.append(buf)
+    return out
+
+
+def _local_tensors(model: torch.nn.Module) -> list[torch.Tensor]:
+    """Parameters and persistent buffers (what a user trains or loads); a tensor-parallel (DTensor)
+    one as this rank's shard, whose version counter and storage are what in-place updates change."""
+    out = []
+    for t in [*model.parameters(), *_persistent_buffers(model)]:
         local = getattr(t, "_local_tensor", None)
         out.append(local if isinstance(local, torch.Tensor) else t)
     return out
