@@ -21,6 +21,11 @@ scores about 0.28 and one that learned the task approaches 1.
     python examples/trl_grpo.py --steps 4 --backend trl       # ... TRL's generate()
     python examples/trl_grpo.py --steps 3 --backend trl-cb    # ... TRL's continuous batching
     python examples/trl_grpo.py --steps 40 --max-completion-length 32 --lora    # LoRA, unmerged
+    python examples/trl_grpo.py --steps 4 --parity --gradient-checkpointing  # ratio exactly 1
+
+``--parity`` runs ``cbgen_rollout_func(parity=True)``: the engine in parity mode and TRL's per-token
+logprobs computed the engine's way, so the importance ratio between TRL's logprobs and the rollout's
+is exactly 1.0 on every token of every step; the run prints the largest |ratio - 1| it measured.
 
 On a machine shared with other jobs, set ``OMP_WAIT_POLICY=PASSIVE``: spinning OpenMP threads that
 lose their core made generation 5-10x slower here.
@@ -145,6 +150,7 @@ def run(args: argparse.Namespace) -> dict:
         save_strategy="no",
         seed=args.seed,
         use_transformers_continuous_batching=args.backend == "trl-cb",
+        gradient_checkpointing=args.gradient_checkpointing,
     )
     peft_config = None
     if args.lora:
@@ -156,7 +162,9 @@ def run(args: argparse.Namespace) -> dict:
             target_modules=["q_proj", "v_proj", "o_proj", "down_proj"],
             task_type="CAUSAL_LM",
         )
-    rollout = cbgen_rollout_func(release_memory=args.release_memory) if args.backend == "cbgen" else None
+    rollout = None
+    if args.backend == "cbgen":
+        rollout = cbgen_rollout_func(release_memory=args.release_memory, parity=args.parity)
     timer = _Timer()
     trainer = trl.GRPOTrainer(
         model=model,
@@ -187,6 +195,12 @@ def run(args: argparse.Namespace) -> dict:
         "generation_seconds_per_step": timer.generation,
         "median_generation_seconds_per_step": statistics.median(steady_gen),
         "torch_threads": torch.get_num_threads(),
+        "parity": args.parity,
+        "gradient_checkpointing": args.gradient_checkpointing,
+        # parity: per check (the loss's forward over a fresh rollout), the largest |ratio - 1|.
+        "parity_max_abs_ratio_minus_1": rollout.parity_ratios
+        if rollout is not None and args.parity
+        else None,
     }
 
 
@@ -222,6 +236,8 @@ def main() -> None:
     ap.add_argument("--lr", type=float, default=3e-2)
     ap.add_argument("--lora", action="store_true")
     ap.add_argument("--release-memory", action="store_true", help="cbgen: free the KV cache while training")
+    ap.add_argument("--parity", action="store_true", help="cbgen: TRL's logprobs bit for bit the rollout's")
+    ap.add_argument("--gradient-checkpointing", action="store_true")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--output-dir", default="/tmp/cbgen-trl-grpo")
     ap.add_argument("--out", type=Path, default=None, help="write the results as JSON")
@@ -233,6 +249,8 @@ def main() -> None:
     if args.plot and args.curves:
         plot(args.curves, args.plot)
         return
+    if args.parity and args.backend != "cbgen":
+        ap.error("--parity needs --backend cbgen")
     result = run(args)
     r = result["reward"]
     print(
@@ -240,6 +258,11 @@ def main() -> None:
         f"{result['median_generation_seconds_per_step']:.2f} s (medians after the first step), "
         f"reward {r[0]:.3f} -> {r[-1]:.3f} (mean of the last 5: {statistics.mean(r[-5:]):.3f})"
     )
+    ratios = result["parity_max_abs_ratio_minus_1"]
+    if ratios is not None:
+        print(
+            f"parity: largest |ratio - 1| over {len(ratios)} checks (every token of each step): {max(ratios, default=0.0)}"
+        )
     if args.out:
         args.out.write_text(json.dumps(result, indent=1))
     if args.plot:

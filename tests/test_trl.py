@@ -142,3 +142,40 @@ def test_the_ulp_bound_has_power() -> None:
     assert float(_ulps_apart(old, old).max()) == 0
     assert float(_ulps_apart(old, old + 9 * 2.0**-21)[0]) == 9  # float32 ulps in [4, 8) are 2**-21
     assert float(_ulps_apart(old, old + 2.0**-23)[1]) == 1  # below 1: ulps of 1
+
+
+@pytest.mark.parametrize("checkpointing", [False, True], ids=["no-ckpt", "ckpt"])
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_parity_makes_the_ratio_exactly_one(tmp_path, lora, checkpointing, monkeypatch):
+    """``parity=True``: TRL's per-token logprobs (its recomputed "old" ones and the loss's own at the
+    first optimizer step after a rollout) equal the rollout's bit for bit, with gradient checkpointing
+    on and off, with and without LoRA: |ratio - 1| is exactly 0 on every token."""
+    monkeypatch.setenv("TRL_EXPERIMENTAL_SILENCE", "1")
+    peft_config = None
+    if lora:
+        peft = require_extra("peft")
+        peft_config = peft.LoraConfig(
+            r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM"
+        )
+    rollout = cbgen_rollout_func(num_blocks=128, parity=True)
+    trainer, seen = _trainer(tmp_path, rollout, peft_config=peft_config, gradient_checkpointing=checkpointing)
+    trainer.train()
+    llm = rollout.llm_for(trainer)
+    assert llm.engine.plan.parity
+    assert seen
+    for out in seen:
+        mask = out["completion_mask"].bool()
+        old, ours = out["old_per_token_logps"], out["sampling_per_token_logps"]
+        assert mask.any() and torch.equal(old[mask], ours[mask])
+    # The loss's forwards on fresh rollouts (before the optimizer step) were compared too.
+    assert len(rollout.parity_ratios) >= 2 and max(rollout.parity_ratios) == 0.0
+    losses = [e["loss"] for e in trainer.state.log_history if "loss" in e]
+    assert len(losses) == 3 and all(math.isfinite(x) for x in losses)
+
+
+def test_parity_refuses_a_shaped_distribution(tmp_path, monkeypatch):
+    monkeypatch.setenv("TRL_EXPERIMENTAL_SILENCE", "1")
+    rollout = cbgen_rollout_func(num_blocks=128, parity=True)
+    trainer, _ = _trainer(tmp_path, rollout, top_p=0.9)
+    with pytest.raises(ValueError, match="truncation"):
+        trainer.train()

@@ -18,6 +18,12 @@ adapters used as they are; cbgen notices each optimizer step itself).  Per call 
   and penalties that is ``log_softmax(logits / temperature)``, what TRL recomputes as its "old"
   logprobs (equal to ~1e-6 in fp32; see docs/trl.md for bf16 and truncation).
 
+With ``parity=True`` (:class:`TrainerParity`) the engine runs in parity mode
+(``batch_invariant=True``) and the trainer's per-token logprobs are computed by cbgen's trainer side:
+the model's forward inside ``cbgen.parity`` and the same log-softmax function the engine uses, in
+place of TRL's fused LM head.  A rollout's logprobs then equal TRL's logprobs of the same tokens
+under the same weights bit for bit: the importance ratio on fresh rollouts is exactly 1.
+
 See docs/trl.md.  Nothing here imports TRL: the trainer is read through its attributes.
 """
 
@@ -29,6 +35,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
+from cbgen.batch_invariant import context as parity_context
+from cbgen.batch_invariant.logprobs import truncated_logprobs
 from cbgen.llm import LLM
 from cbgen.sampling_params import SamplingParams
 
@@ -71,8 +81,13 @@ class CbgenRollout:
     logprobs: str = "processed"
     sampling_overrides: dict[str, Any] = field(default_factory=dict)
     extra_fields: bool = False
+    parity: bool = False
     records: list[RolloutRecord] = field(default_factory=list)
+    # parity=True: per trainer logprob call that scored tokens of the latest rollout under the
+    # weights it was generated with, the largest |exp(trainer - rollout) - 1| over those tokens.
+    parity_ratios: list[float] = field(default_factory=list)
     _llms: weakref.WeakKeyDictionary = field(default_factory=weakref.WeakKeyDictionary, repr=False)
+    _latest: dict = field(default_factory=dict, repr=False)  # parity: the latest rollout's logprobs
 
     def __call__(self, prompts: list[Any], trainer: Any) -> dict[str, list]:
         """TRL's hook: completions (and their logprobs) for ``prompts``, in order."""
@@ -106,6 +121,14 @@ class CbgenRollout:
                 extras["weight_version"].append(out.weight_version)
         if self.extra_fields:
             result.update({f"cbgen_{k}": v for k, v in extras.items()})
+        if self.parity:
+            self._latest = {
+                "weights": llm.engine.weights.fingerprint(),
+                "logprobs": {
+                    (tuple(p), tuple(c)): lp
+                    for p, c, lp in zip(result["prompt_ids"], result["completion_ids"], result["logprobs"])
+                },
+            }
         self.records.append(
             RolloutRecord(
                 num_prompts=len(prompts),
@@ -124,8 +147,14 @@ class CbgenRollout:
         if llm is None:
             _check_trainer(trainer)
             model = trainer.accelerator.unwrap_model(trainer.model)
-            llm = LLM(model, trainer.processing_class, **self.llm_kwargs)
+            kwargs = dict(self.llm_kwargs)
+            if self.parity:
+                _check_parity_settings(self.sampling_params(trainer, n=1))
+                kwargs["batch_invariant"] = True
+            llm = LLM(model, trainer.processing_class, **kwargs)
             self._llms[trainer] = llm
+            if self.parity:
+                TrainerParity(self, trainer, llm).install()
         return llm
 
     def sampling_params(self, trainer: Any, n: int) -> SamplingParams:
@@ -145,12 +174,122 @@ class CbgenRollout:
         return SamplingParams(**kw)
 
 
+class TrainerParity:
+    """The trainer's per-token logprobs the way the engine computes them (``parity=True``).
+
+    It replaces, on this trainer instance only, GRPOTrainer's ``_get_per_token_logps_and_entropies``
+    (TRL's fused LM head, which scores tokens in its own tiles and order) with: the model's forward
+    inside ``cbgen.parity`` (outside autocast: the engine runs the module as it is stored), then
+    ``log_softmax(logits / temperature)`` at each completion token through
+    :func:`cbgen.batch_invariant.logprobs.truncated_logprobs`, the function the engine's sampler
+    gives its processed logprobs with.  Gradients flow as through TRL's own path; gradient
+    checkpointing works inside ``cbgen.parity`` (its recomputation replays the parity forward)."""
+
+    def __init__(self, rollout: CbgenRollout, trainer: Any, llm: LLM) -> None:
+        self.rollout, self.trainer, self.llm = rollout, weakref.proxy(trainer), llm
+
+    def install(self) -> None:
+        """Puts :meth:`per_token_logps` in place of the trainer's method (on the instance)."""
+        self.trainer._get_per_token_logps_and_entropies = self.per_token_logps
+
+    def per_token_logps(
+        self,
+        model: torch.nn.Module,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        logits_to_keep: int,
+        batch_size: int | None = None,
+        compute_entropy: bool = False,
+        compute_aux_loss: bool = False,
+        **multimodal: Any,
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """GRPOTrainer's contract: logprobs ``[B, logits_to_keep]`` of the completion tokens, their
+        entropies (optional) and the MoE auxiliary loss (optional)."""
+        if any(v is not None for v in multimodal.values()):
+            raise ValueError("cbgen's TRL parity path scores text models only")
+        unwrapped = self.trainer.accelerator.unwrap_model(model)
+        batch_size = batch_size or input_ids.shape[0]
+        temperature = float(self.trainer.temperature)
+        logps, entropies, aux = [], [], []
+        for start in range(0, input_ids.shape[0], batch_size):
+            ids = input_ids[start : start + batch_size]
+            mask = attention_mask[start : start + batch_size]
+            kwargs: dict[str, Any] = {"output_router_logits": True} if compute_aux_loss else {}
+            with torch.autocast(ids.device.type, enabled=False), parity_context.parity(unwrapped):
+                out = model(input_ids=ids, attention_mask=mask, use_cache=False, **kwargs)
+            logits = out.logits[:, -logits_to_keep - 1 : -1]
+            tokens = ids[:, -logits_to_keep:]
+            rows = logits.reshape(-1, logits.shape[-1])
+            n = rows.shape[0]
+            lp = truncated_logprobs(
+                rows,
+                tokens.reshape(-1),
+                torch.full((n,), temperature, device=rows.device),
+                torch.full((n,), float("-inf"), device=rows.device),
+            ).view(tokens.shape)
+            logps.append(lp)
+            if compute_entropy:
+                with torch.no_grad():
+                    scaled = torch.log_softmax(logits.float() / temperature, dim=-1)
+                    entropies.append(-(scaled.exp() * scaled).sum(-1))
+            if compute_aux_loss:
+                aux.append(out.aux_loss)
+        result = torch.cat(logps)
+        self._compare(input_ids, attention_mask, logits_to_keep, result)
+        return (
+            result,
+            torch.cat(entropies) if compute_entropy else None,
+            torch.stack(aux).mean() if compute_aux_loss else None,
+        )
+
+    def _compare(self, input_ids: torch.Tensor, mask: torch.Tensor, keep: int, logps: torch.Tensor) -> None:
+        """Records the largest |ratio - 1| against the latest rollout's logprobs, for the rows that
+        are its sequences, while the weights are still the ones it was generated with."""
+        latest = self.rollout._latest
+        if not latest or self.llm.engine.weights.fingerprint() != latest["weights"]:
+            return
+        worst, found = 0.0, False
+        for row in range(input_ids.shape[0]):
+            real = mask[row].bool()
+            prompt = input_ids[row, :-keep][real[:-keep]].tolist()
+            completion = input_ids[row, -keep:][real[-keep:]].tolist()
+            old = latest["logprobs"].get((tuple(prompt), tuple(completion)))
+            if old is None or not completion:
+                continue
+            found = True
+            new = logps[row, -keep:][real[-keep:]].detach().float().cpu()
+            ratio = torch.exp(new - torch.tensor(old, dtype=torch.float32))
+            worst = max(worst, float((ratio - 1).abs().max()))
+        if found:
+            self.rollout.parity_ratios.append(worst)
+
+
+def _check_parity_settings(params: SamplingParams) -> None:
+    """TRL's loss scores tokens under ``log_softmax(logits / temperature)``; the rollout's logprobs
+    equal that only when nothing else shaped the distribution the tokens were drawn from."""
+    shaped = []
+    if params.top_k not in (-1, 0) or params.top_p < 1.0 or params.min_p > 0.0:
+        shaped.append("truncation (top_k, top_p, min_p)")
+    if params.repetition_penalty != 1.0 or params.presence_penalty or params.frequency_penalty:
+        shaped.append("penalties")
+    if params.logit_bias or params.logits_processor_args or params.structured_output is not None:
+        shaped.append("logit bias, logits processors or structured output")
+    if params.temperature == 0.0:
+        shaped.append("greedy decoding")
+    if shaped:
+        raise ValueError(
+            "cbgen_rollout_func(parity=True): TRL scores tokens under the full distribution at its temperature, "
+            f"and these settings change the distribution they are drawn from: {', '.join(shaped)}"
+        )
+
+
 def cbgen_rollout_func(
     *,
     release_memory: bool = False,
     logprobs: str = "processed",
     sampling_overrides: dict[str, Any] | None = None,
     extra_fields: bool = False,
+    parity: bool = False,
     **llm_kwargs: Any,
 ) -> CbgenRollout:
     """A ``rollout_func`` for TRL's ``GRPOTrainer`` that generates with cbgen.
@@ -162,17 +301,24 @@ def cbgen_rollout_func(
     :class:`~cbgen.SamplingParams` fields (e.g. ``{"structured_output": {"json": schema}}``) applied
     after the trainer's settings.  ``extra_fields`` adds ``cbgen_raw_logprobs``,
     ``cbgen_log_kept_mass`` and ``cbgen_weight_version`` to the output, which TRL forwards to the
-    reward functions.  Other keyword arguments go to :class:`~cbgen.LLM` (``max_num_seqs``,
-    ``kv_cache_memory``, ...).
+    reward functions.  ``parity``: the engine in parity mode and TRL's per-token logprobs computed
+    the engine's way (:class:`TrainerParity`): rollout logprobs equal TRL's bit for bit, and
+    ``parity_ratios`` records the largest |ratio - 1| of each check.  Other keyword arguments go to
+    :class:`~cbgen.LLM` (``max_num_seqs``, ``kv_cache_memory``, ...).
     """
     if logprobs not in ("processed", "raw"):
         raise ValueError(f"logprobs must be 'processed' or 'raw', got {logprobs!r}")
+    if parity and logprobs != "processed":
+        raise ValueError(
+            "parity=True compares TRL's logprobs with the processed ones: use logprobs='processed'"
+        )
     fn = CbgenRollout(
         llm_kwargs=dict(llm_kwargs),
         release_memory=release_memory,
         logprobs=logprobs,
         sampling_overrides=dict(sampling_overrides or {}),
         extra_fields=extra_fields,
+        parity=parity,
     )
     SamplingParams(**fn.sampling_overrides)  # a bad override fails here, not at the first step
     return fn
@@ -278,4 +424,4 @@ def _from_generation_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-__all__ = ["TESTED_TRL", "CbgenRollout", "RolloutRecord", "cbgen_rollout_func"]
+__all__ = ["TESTED_TRL", "CbgenRollout", "RolloutRecord", "TrainerParity", "cbgen_rollout_func"]
