@@ -33,12 +33,13 @@ SERVE_ARGS ?=
 BENCH_ARGS ?= --suite default --cold-start
 
 .DEFAULT_GOAL := help
-.PHONY: help venv install install-test demo test test-suite test-asan fuzz models lint format bench serve clean distclean
+.PHONY: help venv install install-test demo test test-suite test-asan fuzz soak models lint format bench serve clean distclean
 
 help:
 	@echo "make demo       generate with the bundled SmolLM2-135M-Instruct (sets up .venv first)"
 	@echo "make test       run the test suite, then the C kernel tests under AddressSanitizer (sets up .venv first)"
 	@echo "make fuzz       the long engine fuzz soak (FUZZ_MINUTES=30)"
+	@echo "make soak       the engine and a trainer on two threads, SOAK_MINUTES per case (default 10)"
 	@echo "make models     run every causal LM of the installed transformers against generate(); writes docs/models.md"
 	@echo "make lint       ruff check + ruff format --check"
 	@echo "make format     ruff format + ruff check --fix"
@@ -102,6 +103,12 @@ FUZZ_MINUTES ?= 30
 fuzz: $(VENV)/.installed-test
 	FUZZ_RANDOM=1 FUZZ_EXAMPLES=50 FUZZ_SECONDS=$$(( $(FUZZ_MINUTES) * 20 )) \
 	$(TEST_ENV) $(PY) -m pytest -q -s tests/test_engine_fuzz.py
+
+# The thread stress test, long: the engine and a trainer on two threads for SOAK_MINUTES per case
+# (CI runs a bounded number of rounds of the same test).
+SOAK_MINUTES ?= 10
+soak: $(VENV)/.installed-test
+	CBGEN_SOAK_MINUTES=$(SOAK_MINUTES) $(TEST_ENV) $(PY) -m pytest -q tests/test_threads.py -k soak
 
 # The support matrix over the whole causal-LM mapping (~5 min); CI runs a fixed subset of it
 # (tests/matrix/test_support_matrix.py) and checks that the committed table is complete.

@@ -38,6 +38,16 @@ held to `generate()` by the oracle of `tests/oracle.py`.  Results:
 
 The path is the forward cbgen took on CPU: `fused` (the C forward) or `module` (the model's own
 modules), and the attention backend.
+
+Rotary embeddings whose frequencies depend on the sequence length (`longrope`: Phi-3-mini-128k,
+Phi-3.5-mini, Phi-4-mini, PhiMoE; `dynamic` NTK) are computed per token, each token with the
+frequency set its own sequence gives it in `generate()`, whatever else shares the packed step, and
+Phi-3's `generate()`, which recomputes a sequence's whole cache when it first passes
+`original_max_position_embeddings`, is reproduced (`cbgen.model.rotary`).  The matrix's prompts stay
+below the switch; `tests/model/test_rotary_lengths.py` crosses it: a Phi-3 longrope model (module
+forward), a wide Llama with longrope (fused forward) and a Llama with dynamic NTK, switching at 32
+tokens, decoding past it in mixed batches with chunked prefill, prefix-cache hits and preemption,
+each request equal to `generate()` on it alone.
 """
 
 
