@@ -23,8 +23,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from cbgen.cli import SETUP_ERRORS, ArgumentParser, fail, non_negative_int, positive_int
 from cbgen_bench.engine_result import EngineResult
 from cbgen_bench.engine_settings import ENGINE_NAMES, MAX_NUM_BATCHED_TOKENS, MAX_NUM_SEQS, BenchOptions
+from cbgen_bench.lifetime import sigterm_unwinds
 from cbgen_bench.logprob_check import check_cold, check_sampled
 from cbgen_bench.long_run import bench_long
 from cbgen_bench.matmul_ceiling import COLD_BYTES, best_ceiling, matmul_ceiling
@@ -58,6 +60,7 @@ DEFAULT_ENGINES: dict[str, tuple[str, ...]] = {
     "long": ("cbgen", "hf-generate"),
 }
 EXIT_CHECK_FAILED = 3
+PROG = "cbgen bench"
 # Loads a model key once per run: (model, tokenizer).
 ModelFor = Callable[[str], tuple[Any, Any]]
 
@@ -68,8 +71,8 @@ def _csv(value: str) -> list[str]:
 
 def build_parser() -> argparse.ArgumentParser:
     """The ``cbgen bench`` argument parser."""
-    p = argparse.ArgumentParser(
-        prog="cbgen bench",
+    p = ArgumentParser(
+        prog=PROG,
         description="Benchmark cbgen against transformers (and optionally vLLM) on built-in workloads.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog=__doc__.split("Examples::", 1)[1],
@@ -106,7 +109,9 @@ def _add_selection_args(p: argparse.ArgumentParser) -> None:
 
 def _add_run_args(p: argparse.ArgumentParser) -> None:
     """How the engines run and where the report goes."""
-    p.add_argument("--repeats", type=int, default=3, help="timed runs per engine; medians are reported (3)")
+    p.add_argument(
+        "--repeats", type=positive_int, default=3, help="timed runs per engine; medians are reported (3)"
+    )
     p.add_argument(
         "--dtype",
         choices=("float32", "bfloat16"),
@@ -115,7 +120,7 @@ def _add_run_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--batch-size",
-        type=int,
+        type=non_negative_int,
         default=0,
         help="hf-generate static batch size; 0 = all prompts in one batch (0)",
     )
@@ -184,7 +189,7 @@ def _add_cold_start_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--cold-repeats",
-        type=int,
+        type=positive_int,
         default=1,
         metavar="N",
         help="fresh processes per engine for --cold-start; medians are reported (1)",
@@ -200,17 +205,13 @@ def _plan(args: argparse.Namespace) -> list[tuple[str, list[str]]]:
         names = list(SUITES[args.suite or "default"])
     unknown = [n for n in names if n not in WORKLOAD_NAMES]
     if unknown:
-        raise SystemExit(
-            f"cbgen bench: unknown workload(s) {', '.join(unknown)}; choose from {', '.join(WORKLOAD_NAMES)}"
-        )
+        fail(PROG, f"unknown workload(s) {', '.join(unknown)}; choose from {', '.join(WORKLOAD_NAMES)}")
     if args.engines is not None:
         bad = [e for e in args.engines if e not in ENGINE_NAMES]
         if bad:
-            raise SystemExit(
-                f"cbgen bench: unknown engine(s) {', '.join(bad)}; choose from {', '.join(ENGINE_NAMES)}"
-            )
+            fail(PROG, f"unknown engine(s) {', '.join(bad)}; choose from {', '.join(ENGINE_NAMES)}")
         if "vllm" in args.engines and not args.vllm_python:
-            raise SystemExit("cbgen bench: the vllm engine needs --vllm-python PATH")
+            fail(PROG, "the vllm engine needs --vllm-python PATH")
     plan = []
     for name in names:
         engines = list(args.engines) if args.engines is not None else list(DEFAULT_ENGINES[name])
@@ -236,13 +237,14 @@ class _Collected:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of ``cbgen bench``; exits with status 3 if a correctness check failed."""
-    argv = list(sys.argv[1:] if argv is None else argv)
-    args = build_parser().parse_args(argv)
-    if args.repeats < 1:
-        raise SystemExit("cbgen bench: --repeats must be >= 1")
-    if args.cold_repeats < 1:
-        raise SystemExit("cbgen bench: --cold-repeats must be >= 1")
+    """Entry point of ``cbgen bench``; exits with status 3 if a correctness check failed, 143 on
+    SIGTERM (after stopping its child processes and removing its temporary folders)."""
+    with sigterm_unwinds():
+        return _main(list(sys.argv[1:] if argv is None else argv))
+
+
+def _main(argv: list[str]) -> int:
+    args = build_parser().parse_args(argv)  # every number checked as it is parsed
     plan = _plan(args)
     opts = BenchOptions(
         repeats=args.repeats,
@@ -263,7 +265,10 @@ def main(argv: list[str] | None = None) -> int:
     def model_for(key: str) -> tuple[Any, Any]:
         if key not in models:
             log(f"loading model {key} ({args.dtype})")
-            models[key] = load_bench_model(key, args.dtype, args.device)
+            try:
+                models[key] = load_bench_model(key, args.dtype, args.device)
+            except SETUP_ERRORS as exc:  # a missing --model folder, a bad --device
+                fail(PROG, str(exc))
         return models[key]
 
     got = _Collected()

@@ -19,7 +19,6 @@ from __future__ import annotations
 import itertools
 import json
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -34,6 +33,7 @@ from cbgen_bench.engine_settings import (
     BenchOptions,
     kv_blocks_needed,
 )
+from cbgen_bench.lifetime import run_child
 from cbgen_bench.vllm_launch import VLLM_RUNNER, vllm_env, vllm_spec
 from cbgen_bench.workloads import Workload
 
@@ -178,7 +178,7 @@ def cold_start_once(engine: str, folder: str, workload: Workload, opts: BenchOpt
         cmd += ["--spec", str(spec_path), "--out", str(out_path)]
         # Everything above is preparation a user would not do; the clock starts at the spawn.
         spawn = time.time()
-        proc = subprocess.run(cmd, env=env, check=False)
+        proc = run_child(cmd, timed=True, env=env, check=False)
         exited = time.time()
         if proc.returncode != 0 or not out_path.exists():
             raise RuntimeError(f"cold-start child exited with status {proc.returncode}")

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -29,6 +28,7 @@ from cbgen_bench.cbgen_runner import run_cbgen
 from cbgen_bench.engine_result import EngineResult
 from cbgen_bench.engine_settings import ENGINE_NAMES, BenchOptions
 from cbgen_bench.hf_runners import run_hf_cb, run_hf_generate
+from cbgen_bench.lifetime import run_child
 from cbgen_bench.vllm_launch import run_vllm
 from cbgen_bench.workloads import Workload, build_workload, load_bench_model, model_path, vocab_size_of
 
@@ -74,7 +74,7 @@ def run_isolated(engine: str, workload_name: str, model_key: str, opts: BenchOpt
     with tempfile.TemporaryDirectory(prefix="cbgen-bench-") as tmp:
         spec_path, out_path = Path(tmp) / "spec.json", Path(tmp) / "out.json"
         spec_path.write_text(json.dumps(spec))
-        proc = subprocess.run(
+        proc = run_child(
             [sys.executable, "-m", "cbgen_bench.engines", str(spec_path), str(out_path)], check=False
         )
         if proc.returncode != 0 or not out_path.exists():

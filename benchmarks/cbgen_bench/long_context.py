@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import json
 import statistics
-import subprocess
 import tempfile
 import time
 from dataclasses import asdict, dataclass, field
@@ -32,6 +31,7 @@ from typing import Any
 import numpy as np
 
 from cbgen_bench.engine_settings import BLOCK_SIZE, MAX_NUM_BATCHED_TOKENS
+from cbgen_bench.lifetime import run_child
 from cbgen_bench.workloads import FIRST_ORDINARY_ID, ModelDims
 
 DECODE_TOKENS = 32  # decode steps timed per case (tiny: 4)
@@ -191,7 +191,7 @@ def run_vllm_long(
     with tempfile.TemporaryDirectory(prefix="cbgen-vllm-long-") as tmp:
         spec_path, out_path = Path(tmp) / "spec.json", Path(tmp) / "out.json"
         spec_path.write_text(json.dumps(spec))
-        proc = subprocess.run(
+        proc = run_child(
             [python, str(VLLM_RUNNER), "--spec", str(spec_path), "--out", str(out_path)],
             env=vllm_env(),
             check=False,

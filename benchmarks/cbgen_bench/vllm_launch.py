@@ -7,13 +7,13 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import tempfile
 from pathlib import Path
 from typing import Any
 
 from cbgen_bench.engine_result import EngineResult, RunRecord
 from cbgen_bench.engine_settings import MAX_NUM_BATCHED_TOKENS, MAX_NUM_SEQS, BenchOptions
+from cbgen_bench.lifetime import run_child
 from cbgen_bench.workloads import Workload
 
 # vLLM's CPU attention rejects smaller heads ("Unsupported CPU attention configuration").
@@ -64,7 +64,7 @@ def run_vllm(folder: str, workload: Workload, opts: BenchOptions) -> EngineResul
     with tempfile.TemporaryDirectory(prefix="cbgen-vllm-") as tmp:
         spec_path, out_path = Path(tmp) / "spec.json", Path(tmp) / "out.json"
         spec_path.write_text(json.dumps(spec))
-        proc = subprocess.run(
+        proc = run_child(
             [opts.vllm_python, str(VLLM_RUNNER), "--spec", str(spec_path), "--out", str(out_path)],
             env=vllm_env(),
             check=False,

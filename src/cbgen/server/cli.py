@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import math
 import signal
 from collections.abc import Callable
 from pathlib import Path
@@ -13,6 +14,17 @@ import uvicorn
 
 from cbgen import envs
 from cbgen.async_engine import AsyncEngine
+from cbgen.cli import (
+    SETUP_ERRORS,
+    ArgumentParser,
+    dtype_name,
+    fail,
+    non_negative_float,
+    non_negative_int,
+    port,
+    positive_float,
+    positive_int,
+)
 from cbgen.core.fairness import Fairness
 from cbgen.server.connections import (
     ConnectionGuard,
@@ -28,15 +40,28 @@ from cbgen.utils import get_logger
 logger = get_logger("cbgen.server")
 
 DEFAULT_SERVED_NAME = "SmolLM2-135M-Instruct"
+PROG = "cbgen serve"
 
 
 def _share(text: str) -> float | None:
-    return None if text.lower() in ("none", "off") else float(text)
+    if text.lower() in ("none", "off"):
+        return None
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not 0.0 < value <= 1.0:
+        raise argparse.ArgumentTypeError(f"must be a number > 0 and <= 1, or 'none', got {text!r}")
+    return value
+
+
+def _old_share(text: str) -> float | None:
+    return None if text.lower() in ("none", "off") else positive_float(text)
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="cbgen serve",
+    p = ArgumentParser(
+        prog=PROG,
         description="OpenAI-compatible HTTP server. Limits and their defaults: docs/server.md.",
         epilog="The API key is best given as the CBGEN_API_KEY environment variable: --api-key is "
         "visible to every user of the machine in the process list.",
@@ -48,37 +73,42 @@ def _parser() -> argparse.ArgumentParser:
         help="name clients must send as 'model' (default: SmolLM2-135M-Instruct or the folder name)",
     )
     p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--port", type=port, default=8000)
     p.add_argument(
         "--tensor-parallel-size",
-        type=int,
+        type=positive_int,
         default=1,
         help="shard the model over N ranks with transformers' tensor parallelism; start with "
         "`torchrun --nproc-per-node N -m cbgen.cli serve --tensor-parallel-size N ...` (rank 0 serves "
         "HTTP, the others follow its steps)",
     )
-    p.add_argument("--dtype", default="auto")
+    p.add_argument("--dtype", type=dtype_name, default="auto")
     p.add_argument("--device", default=None)
-    p.add_argument("--max-num-seqs", type=int, default=256)
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--max-num-seqs", type=positive_int, default=256)
+    p.add_argument("--max-num-batched-tokens", type=positive_int, default=2048)
     p.add_argument(
-        "--num-blocks", type=int, default=None, help="KV-cache blocks (default: sized from memory)"
+        "--num-blocks", type=positive_int, default=None, help="KV-cache blocks (default: sized from memory)"
     )
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--max-prompt-tokens", type=int, default=None, help="default: the model's context - 1")
+    p.add_argument("--max-model-len", type=positive_int, default=None)
+    p.add_argument(
+        "--max-prompt-tokens", type=positive_int, default=None, help="default: the model's context - 1"
+    )
     p.add_argument(
         "--max-tokens-limit",
-        type=int,
+        type=positive_int,
         default=None,
         help="largest max_tokens a request may ask for (default: what the context allows)",
     )
-    p.add_argument("--max-n", type=int, default=16)
-    p.add_argument("--max-body-bytes", type=int, default=1 << 20)
+    p.add_argument("--max-n", type=positive_int, default=16)
+    p.add_argument("--max-body-bytes", type=positive_int, default=1 << 20)
     p.add_argument(
-        "--max-concurrent-requests", type=int, default=1024, help="requests in flight before new ones get 429"
+        "--max-concurrent-requests",
+        type=positive_int,
+        default=1024,
+        help="requests in flight before new ones get 429",
     )
-    p.add_argument("--max-logprobs", type=int, default=20)
-    p.add_argument("--max-prompts-per-request", type=int, default=32)
+    p.add_argument("--max-logprobs", type=non_negative_int, default=20)
+    p.add_argument("--max-prompts-per-request", type=positive_int, default=32)
     _admission_flags(p)
     _connection_flags(p)
     p.add_argument(
@@ -95,7 +125,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     p.add_argument(
         "--graceful-shutdown-timeout",
-        type=float,
+        type=non_negative_float,
         default=15.0,
         help="seconds to wait for open connections after SIGTERM",
     )
@@ -105,14 +135,14 @@ def _parser() -> argparse.ArgumentParser:
 def _admission_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--max-request-work",
-        type=int,
+        type=positive_int,
         default=None,
         help="token slots one request may need: n x (prompt + max_tokens), summed over its prompts "
         "(default: --max-n x the context)",
     )
     p.add_argument(
         "--max-inflight-work",
-        type=int,
+        type=positive_int,
         default=None,
         help="token slots of all requests in flight before new ones get 429 (default: 32 x --max-request-work)",
     )
@@ -124,23 +154,26 @@ def _admission_flags(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--max-response-bytes",
-        type=int,
+        type=positive_int,
         default=64 << 20,
         help="largest estimated non-streamed response; larger requests must stream",
     )
     p.add_argument(
         "--stream-buffer",
-        type=int,
+        type=positive_int,
         default=64,
         help="outputs a stream holds for a client that does not read before its request is paused",
     )
     p.add_argument("--scheduling", choices=["fair", "fcfs"], default="fair", help="policy between requests")
     p.add_argument(
-        "--fair-quantum", type=int, default=512, help="tokens a request computes before it counts as old work"
+        "--fair-quantum",
+        type=non_negative_int,
+        default=512,
+        help="tokens a request computes before it counts as old work",
     )
     p.add_argument(
         "--fair-old-share",
-        type=_share,
+        type=_old_share,
         default=0.25,
         help="old work per token of young work in a step ('none': no cap; raise it on GPUs)",
     )
@@ -148,22 +181,32 @@ def _admission_flags(p: argparse.ArgumentParser) -> None:
 
 def _connection_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument(
-        "--max-connections", type=int, default=4096, help="open connections (idle ones are evicted first)"
+        "--max-connections",
+        type=positive_int,
+        default=4096,
+        help="open connections (idle ones are evicted first)",
     )
-    p.add_argument("--header-timeout", type=float, default=10.0, help="seconds to complete a request head")
-    p.add_argument("--body-timeout", type=float, default=30.0, help="seconds to receive a request body")
     p.add_argument(
-        "--keep-alive-timeout", type=int, default=5, help="seconds an idle keep-alive connection stays"
+        "--header-timeout", type=positive_float, default=10.0, help="seconds to complete a request head"
+    )
+    p.add_argument(
+        "--body-timeout", type=positive_float, default=30.0, help="seconds to receive a request body"
+    )
+    p.add_argument(
+        "--keep-alive-timeout",
+        type=non_negative_int,
+        default=5,
+        help="seconds an idle keep-alive connection stays",
     )
     p.add_argument(
         "--write-timeout",
-        type=float,
+        type=positive_float,
         default=30.0,
         help="seconds a response may wait for a client that does not read before it is aborted",
     )
     p.add_argument(
         "--write-buffer-bytes",
-        type=int,
+        type=positive_int,
         default=256 * 1024,
         help="kernel send buffer per connection (a client that stops reading is noticed after this much)",
     )
@@ -221,18 +264,7 @@ def _load(args: argparse.Namespace) -> tuple[Any, AsyncEngine]:
 
 def main(argv: list[str] | None = None) -> None:
     """``cbgen serve``: loads the model and serves it until SIGINT/SIGTERM (exit code 0 on SIGTERM)."""
-    args = _parser().parse_args(argv)
-    for name in (
-        "max_n",
-        "max_body_bytes",
-        "max_concurrent_requests",
-        "max_prompts_per_request",
-        "max_connections",
-        "stream_buffer",
-        "max_response_bytes",
-    ):
-        if getattr(args, name) < 1:
-            raise SystemExit(f"--{name.replace('_', '-')} must be >= 1")
+    args = _parser().parse_args(argv)  # every number checked as it is parsed
     connections = ConnectionLimits(
         max_connections=raise_fd_limit(args.max_connections),
         header_timeout=args.header_timeout,
@@ -242,7 +274,10 @@ def main(argv: list[str] | None = None) -> None:
     # cbgen's package logger already has a stderr handler; basicConfig would print every record twice.
     get_logger("cbgen").setLevel(args.log_level.upper())
     api_key = args.api_key or envs.get("CBGEN_API_KEY") or None
-    llm, async_engine = _load(args)
+    try:
+        llm, async_engine = _load(args)
+    except SETUP_ERRORS as exc:  # a missing model, settings the model or the machine cannot take
+        fail(PROG, str(exc))
     limits = ServerLimits(
         max_prompt_tokens=args.max_prompt_tokens,
         max_tokens_limit=args.max_tokens_limit,
