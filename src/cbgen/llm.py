@@ -111,9 +111,9 @@ class LLM:
         self._paused = False
 
     def __del__(self) -> None:
-        # glibc keeps freed heap memory for reuse: after `del llm` no tensor was alive but a process
-        # with SmolLM2 stayed ~0.9 GB above its size before the LLM (the packed weights and other
-        # buffers under glibc's 32 MB mmap threshold), until malloc_trim gave back all but ~60 MB.
+        # glibc keeps freed heap memory for reuse (blocks under its mmap threshold, up to 32 MB, are
+        # not unmapped): after `del llm` no tensor was alive but a process with SmolLM2 stayed
+        # ~0.9 GB above its size before the LLM, until malloc_trim gave back all but ~60 MB.
         # What this LLM holds (engine, KV cache, a model it loaded) is dropped first: its attributes
         # would otherwise be freed only after this method returns, too late for the trim.
         if sys.is_finalizing():  # the process is ending: the OS takes it all back
