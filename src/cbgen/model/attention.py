@@ -4,9 +4,9 @@ The batch metadata travels as a keyword argument of the model call (``cbgen_meta
 transformers forwards to every attention call.  Some decoder layers call their attention module
 without forwarding their keyword arguments; for them the runner also publishes the step's metadata
 in a context variable (:data:`CURRENT_META`) for the duration of the forward.  A context variable
-rather than a field on the model or the cache: it is scoped to the thread and the step, so a
-plain forward or a training step on the same module, even in another thread during a step, is
-unaffected.  (transformers' own continuous batching reaches attention through the cache object
+rather than a field on the model or the cache: it is scoped to the thread and the step.  (The
+implementation switch itself is per thread too, :mod:`cbgen.model.thread_view`: a plain forward or a
+training step on the same module in another thread during a step never reaches this function.)  (transformers' own continuous batching reaches attention through the cache object
 instead; cbgen passes no cache, since the model's KV handling would run on every layer for nothing.)
 
 Packed layout of one step: ``T`` tokens in one row (batch dimension 1).  The first
@@ -329,16 +329,16 @@ def paged_attention_forward(
 
 def _no_metadata_error(module: torch.nn.Module) -> RuntimeError:
     return RuntimeError(
-        f"cbgen's paged attention was called by {type(module).__name__} outside a cbgen step of this "
-        "thread: during a step the model's attention implementation is switched to cbgen's, so a "
-        "forward of the same model from another thread at that moment lands here. Run training and "
-        "generation from one thread, or use LLM.pause() around training steps."
+        f"cbgen's paged attention was called by {type(module).__name__} outside a cbgen step: a step makes "
+        "it the model's attention implementation on the engine's thread only, for its forward; a forward "
+        "that reaches it without the step's metadata (a layer that calls the attention module outside the "
+        "model's forward) cannot be attended"
     )
 
 
 def attention_configs(model: torch.nn.Module) -> list:
     """Every config object an attention module of ``model`` reads its implementation from (what
-    the runner and the parity context switch, and restore, around a forward)."""
+    the runner and the parity context switch, per thread, around a forward)."""
     configs: dict[int, object] = {}
     root = getattr(model, "config", None)
     if root is not None:

@@ -28,6 +28,8 @@ import math
 
 import torch
 
+from cbgen.model import thread_view
+
 # Per-layer kinds the paged cache holds exactly.  Chunked attention (Llama 4) is local attention
 # in fixed chunks: exact while a sequence fits in one chunk, which length_limit() enforces.
 ATTENTION_KINDS = frozenset({"full_attention", "sliding_attention", "chunked_attention", "attention"})
@@ -336,13 +338,11 @@ def _plain_logits(model, tokens, device, layers) -> tuple[tuple[torch.Tensor, to
     """The model's own forward of A and of B, each alone."""
     taps = _LayerTaps(layers or [])
     # Eval mode for the check, as every engine forward runs (no dropout, no RNG draw that would
-    # disturb a trainer's random stream), and the user's flags restored after it.
-    training = [(m, m.training) for m in model.modules()]
-    model.eval()
+    # disturb a trainer's random stream), on this thread only (the user's flags stay as they are).
     try:
         # no_grad, not inference mode: a model that caches tensors in its forward must not end up
         # holding inference tensors because of a check it did not ask for.
-        with torch.no_grad(), taps:
+        with torch.no_grad(), taps, thread_view.eval_mode():
             out = tuple(
                 model(torch.tensor([t], device=device), use_cache=False).logits[0].float().cpu()
                 for t in tokens
@@ -352,9 +352,6 @@ def _plain_logits(model, tokens, device, layers) -> tuple[tuple[torch.Tensor, to
             f"{type(model).__name__}'s own forward on input_ids alone fails ({_one_line(exc)}); cbgen "
             "feeds the model token ids and positions only"
         ) from exc
-    finally:
-        for module, flag in training:
-            module.training = flag
     return out, taps.outputs
 
 
