@@ -142,6 +142,14 @@ def test_a_mask_parity_cannot_reproduce_is_refused() -> None:
             model(ids, position_ids=packed)
 
 
+def test_padding_inside_a_row_is_refused() -> None:
+    model = make_model("llama")
+    ids, mask = _batch(model.config.vocab_size)
+    mask[0, 10:12] = 0  # a hole between real tokens
+    with torch.no_grad(), cbgen.parity(model), pytest.raises(NotImplementedError, match="between"):
+        model(ids, attention_mask=mask)
+
+
 def test_the_forward_is_refused_with_a_kv_cache() -> None:
     model = make_model("llama")
     ids = torch.randint(3, 500, (1, 8))

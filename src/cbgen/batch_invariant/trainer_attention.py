@@ -88,21 +88,32 @@ def parity_mask(
         real = torch.ones(batch_size, kv_length, dtype=torch.bool, device=device)
     else:
         real = attention_mask.to(device=device, dtype=torch.bool)
-    rows = RowPositions.from_mask(real)
-    pos = rows.positions
-    distance = pos[:, :, None] - pos[:, None, :]  # query position - key position
-    pair = real[:, :, None] & real[:, None, :]
-    want = pair & (distance >= 0)
-    hides = local_size is not None and bool((want & (distance >= local_size)).any())
-    if hides:
-        want &= distance < local_size
-    got = full.expand(batch_size, 1, q_length, kv_length)[:, 0]
-    if not bool(((got == want) | ~real[:, :, None]).all()):
+    counts = real.sum(-1)
+    first = real.int().argmax(-1)
+    span = torch.arange(kv_length, device=device)
+    contiguous = real == ((span >= first[:, None]) & (span < (first + counts)[:, None]))
+    if not bool(contiguous.all()):
         raise NotImplementedError(
-            "cbgen.parity computes causal attention over each row's own tokens (left or right padding, a "
-            "sliding window): this forward's mask is another (packed sequences, position_ids that restart "
-            "inside a row, a bidirectional or custom mask)"
+            "cbgen.parity takes rows padded on the left or the right: a row of this batch has padding between "
+            "its tokens"
         )
+    # Within a contiguous row the positions of two tokens differ as their indices do, so the mask
+    # each row must have is the causal band over its real tokens (the window: the last local_size).
+    hides = local_size is not None and bool((counts > local_size).any())
+    band = torch.ones(kv_length, kv_length, dtype=torch.bool, device=device).tril()
+    if hides:
+        band = band.triu(-(local_size - 1))
+    got = full.expand(batch_size, 1, q_length, kv_length)
+    for lo in range(0, q_length, 512):  # query blocks: no [B, L, L] temporaries beside the mask
+        hi = min(lo + 512, q_length)
+        want = real[:, lo:hi, None] & real[:, None, :] & band[lo:hi]
+        if not bool(((got[:, 0, lo:hi] == want) | ~real[:, lo:hi, None]).all()):
+            raise NotImplementedError(
+                "cbgen.parity computes causal attention over each row's own tokens (left or right padding, a "
+                "sliding window): this forward's mask is another (packed sequences, position_ids that restart "
+                "inside a row, a bidirectional or custom mask)"
+            )
+    rows = RowPositions.from_mask(real)
     return ParityMask(rows, local_size if hides else None)
 
 
