@@ -85,15 +85,15 @@ def _trainer(tmp_path, rollout, peft_config=None, **config):
     return trainer, seen
 
 
+def _lora_config():
+    peft = require_extra("peft")
+    return peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
+
+
 @pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
 def test_grpo_trainer_runs_on_cbgen(tmp_path, lora, monkeypatch):
     monkeypatch.setenv("TRL_EXPERIMENTAL_SILENCE", "1")
-    peft_config = None
-    if lora:
-        peft = require_extra("peft")
-        peft_config = peft.LoraConfig(
-            r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM"
-        )
+    peft_config = _lora_config() if lora else None
     rollout = cbgen_rollout_func(num_blocks=128, release_memory=True)
     trainer, seen = _trainer(tmp_path, rollout, peft_config=peft_config)
     trainer.train()
@@ -151,12 +151,7 @@ def test_parity_makes_the_ratio_exactly_one(tmp_path, lora, checkpointing, monke
     first optimizer step after a rollout) equal the rollout's bit for bit, with gradient checkpointing
     on and off, with and without LoRA: |ratio - 1| is exactly 0 on every token."""
     monkeypatch.setenv("TRL_EXPERIMENTAL_SILENCE", "1")
-    peft_config = None
-    if lora:
-        peft = require_extra("peft")
-        peft_config = peft.LoraConfig(
-            r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM"
-        )
+    peft_config = _lora_config() if lora else None
     rollout = cbgen_rollout_func(num_blocks=128, parity=True)
     trainer, seen = _trainer(tmp_path, rollout, peft_config=peft_config, gradient_checkpointing=checkpointing)
     trainer.train()
