@@ -26,6 +26,7 @@ from typing import Any
 from cbgen.cli import SETUP_ERRORS, ArgumentParser, fail, non_negative_int, positive_int
 from cbgen_bench.engine_result import EngineResult
 from cbgen_bench.engine_settings import ENGINE_NAMES, MAX_NUM_BATCHED_TOKENS, MAX_NUM_SEQS, BenchOptions
+from cbgen_bench.history import HISTORY_NAME, MAX_RESULT_FILES, prune
 from cbgen_bench.lifetime import sigterm_unwinds
 from cbgen_bench.logprob_check import check_cold, check_sampled
 from cbgen_bench.long_run import bench_long
@@ -129,6 +130,14 @@ def _add_run_args(p: argparse.ArgumentParser) -> None:
         type=Path,
         default=Path("benchmarks/results"),
         help="directory for the JSON, PNG and markdown files (benchmarks/results)",
+    )
+    p.add_argument(
+        "--keep-files",
+        type=non_negative_int,
+        default=MAX_RESULT_FILES,
+        metavar="N",
+        help=f"after the run, --out holds at most N files: every run is a line of {HISTORY_NAME} there, "
+        f"and only the newest runs keep their files; 0 keeps every run's files ({MAX_RESULT_FILES})",
     )
     p.add_argument("--tiny", action="store_true", help="shrink every workload to a few prompts and tokens")
     p.add_argument(
@@ -293,6 +302,7 @@ def _main(argv: list[str]) -> int:
         report["long"] = got.long
     meta["loadavg_end"] = loadavg()
     text = _write_report(report, meta, got.step_records, args.out, stamp)
+    _record(args.out, args.keep_files)
     print(text, flush=True)
     if failed(report):
         raise SystemExit(EXIT_CHECK_FAILED)
@@ -392,6 +402,15 @@ def _write_report(
         + (f" and profile-{stamp}.json" if step_records else "")
     )
     return text
+
+
+def _record(out: Path, keep_files: int) -> None:
+    """Appends the run just written to ``out``'s history and drops the files of the oldest runs."""
+    plan = prune(out, max_files=keep_files)
+    log(
+        f"added {len(plan.appended)} run(s) to {out / HISTORY_NAME}"
+        + (f"; deleted the files of {', '.join(f'bench-{s}' for s in plan.moved)}" if plan.moved else "")
+    )
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ from cbgen_bench.cli import EXIT_CHECK_FAILED, main
 from cbgen_bench.cold_start import MARKS, VLLM_NOTE, ColdRun, ColdStartResult, run_cold_start
 from cbgen_bench.engine_result import EngineResult, RunRecord
 from cbgen_bench.engine_settings import BenchOptions
+from cbgen_bench.history import HISTORY_NAME, recorded_runs
 from cbgen_bench.report import summarize
 from cbgen_bench.report_markdown import cold_start_markdown, markdown
 from cbgen_bench.workloads import Workload
@@ -148,6 +149,13 @@ def test_report_has_every_field(tiny_report: tuple[dict, Path]) -> None:
     for wl in report["workloads"].values():
         assert "only in memory" in wl["cold_start"]["skipped"]
     assert "- cold start skipped for grpo: model 'tiny' exists only in memory" in table
+
+
+def test_the_run_is_a_line_of_the_history(tiny_report: tuple[dict, Path]) -> None:
+    """The harness appends every run it writes to ``history.jsonl`` in its ``--out`` folder."""
+    _, out = tiny_report
+    (report_file,) = out.glob("bench-*.json")
+    assert recorded_runs(out / HISTORY_NAME) == {report_file.stem}
 
 
 def test_greedy_tokens_match_hf_generate(tiny_report: tuple[dict, Path]) -> None:
