@@ -1,4 +1,4 @@
-"""The llguidance backend (MIT, no dependencies; chosen by measurement, see benchmarks/NOTES.md).
+"""The llguidance backend (MIT, no dependencies; chosen by measurement, see docs/benchmark_notes.md).
 
 JSON schemas compile with fixed separators (``", "`` and ``": "``) and no free whitespace: small
 models otherwise tend to emit whitespace until ``max_tokens`` and leave the JSON unfinished.  A
