@@ -7,6 +7,9 @@ threshold, so the packed and panel GEMMs, the fused forward and the one-call C d
   has, forced through ``CBGEN_GEMM``: not only the one a timing picked.
 * bfloat16: logprobs and greedy tokens against the float32 reference of the same weights, under the
   bound ``tests/bf16_reference.py`` derives from bf16 rounding.
+* The models' biases and norm weights are not transformers' constant init (all zeros, all ones) but
+  perturbed (``tests/tiny_models.py``), which is checked; and a fast path sabotaged to drop a bias
+  or ignore a norm weight is shown to be caught, so these comparisons can fail on such a bug.
 
 Each run: four prompts of mixed length under a 320-token budget (the longest is chunked; the first
 step has more than ``SPLIT_ROWS`` rows, the second exactly ``DECODE_ROWS``, the row count MKL's
@@ -28,8 +31,10 @@ from cbgen import LLM, SamplingParams
 from cbgen.model.cpu_fast import gemm_choice
 from cbgen.model.cpu_fast.fused_forward import FusedDecoder
 from cbgen.model.kernels.cpu import decoder as cpu_decoder
+from cbgen.model.kernels.cpu import ops as cpu_kernels
+from cbgen.model.support import UnsupportedModelError
 from oracle import compare, hf_greedy
-from tiny_models import WIDE_ARCHS, WIDE_COMMON, make_wide_model
+from tiny_models import BIAS_SPREAD, SCALE_SPREAD, WIDE_ARCHS, WIDE_COMMON, make_model, make_wide_model
 
 pytestmark = [pytest.mark.native("c"), pytest.mark.usefixtures("one_torch_thread")]
 
@@ -208,10 +213,45 @@ def test_bf16_within_derived_bound_of_fp32(arch, gemm, ledger, monkeypatch, reco
     record_property("gemm_ran", ("bfloat16", gemm or "-", _check_ran(ledger, plan, gemm)))
 
 
+# The vector parameters (biases, norm weights) of each architecture's layers and final norm, by
+# their last two name parts: what a kernel could drop or ignore.
+_LAYER_NORMS = {"input_layernorm.weight", "post_attention_layernorm.weight", "norm.weight"}
+VECTORS = {
+    "llama": _LAYER_NORMS,
+    "qwen2": _LAYER_NORMS | {"q_proj.bias", "k_proj.bias", "v_proj.bias"},
+    "qwen3": _LAYER_NORMS | {"q_norm.weight", "k_norm.weight"},
+    "qwen3_moe": _LAYER_NORMS | {"q_norm.weight", "k_norm.weight"},
+    "mistral": _LAYER_NORMS,
+    "gemma2": _LAYER_NORMS | {"pre_feedforward_layernorm.weight", "post_feedforward_layernorm.weight"},
+    "phi3": _LAYER_NORMS,
+    "olmo2": {
+        "post_attention_layernorm.weight",
+        "post_feedforward_layernorm.weight",
+        "q_norm.weight",
+        "k_norm.weight",
+        "norm.weight",
+    },
+}
+
+
+def _check_vectors(arch: str, model: torch.nn.Module) -> None:
+    """Every vector parameter of ``model`` varies from channel to channel with about the spread
+    ``tests/tiny_models.py`` draws: no bias is all zeros and no norm weight all ones (or, for Gemma's
+    ``1 + weight``, all zeros), so a kernel that drops the one or ignores the other computes
+    something else than the model."""
+    vectors = {name: p.detach().float() for name, p in model.named_parameters() if p.dim() < 2}
+    assert {".".join(name.split(".")[-2:]) for name in vectors} == VECTORS[arch], arch
+    for name, values in vectors.items():
+        spread = BIAS_SPREAD if name.endswith("bias") else SCALE_SPREAD
+        assert not torch.all(values == values[0]), (arch, name, "constant")
+        assert 0.5 * spread < float(values.std()) < 1.5 * spread, (arch, name, float(values.std()))
+
+
 def test_the_wide_models_have_what_the_tests_claim() -> None:
     """Every projection group of the fused architectures reaches the packing threshold (so the
     candidates and the C step see them), Qwen2 has q/k/v biases, Qwen3 q/k norms, and Mistral's window
-    is shorter than the longest sequence (so it slides)."""
+    is shorter than the longest sequence (so it slides); and no vector parameter of any wide or tiny
+    model, in float32 or bfloat16, is constant (:func:`_check_vectors`)."""
     from cbgen.model.cpu_fast.packed_linears import packable
 
     for arch in FUSED:
@@ -224,3 +264,123 @@ def test_the_wide_models_have_what_the_tests_claim() -> None:
         assert hasattr(attn, "q_norm") == (arch == "qwen3")
     window = make_wide_model("mistral").config.sliding_window
     assert window == WIDE_ARCHS["mistral"]["sliding_window"] < max(PROMPT_LENGTHS) + NEW_TOKENS
+    for arch in WIDE_ARCHS:
+        for model in (make_wide_model(arch), make_wide_model(arch, dtype=torch.bfloat16), make_model(arch)):
+            _check_vectors(arch, model)
+
+
+# ------------------------------------------------------------------ the oracle can fail
+# Each sabotage makes one fast path drop a bias or ignore a norm weight, as a kernel bug would, and
+# returns a counter of the sabotaged calls.  The models' vectors are perturbed (tests/tiny_models.py),
+# so such a bug is caught: in the fused forward's Python loop by the engine's start-up probe
+# (cbgen/model/support.py, whose steps have prefill rows), in the C decode step, which runs only
+# decode-only steps the probe does not make, by the fp32 comparison with generate() above.
+
+
+def _c_step_records(monkeypatch, change) -> list[int]:
+    """The C step's layer records passed through ``change(words, fields, modules)`` (returning tensors
+    to keep alive); counts the C steps run on them."""
+    build, step = FusedDecoder._build_c_layers, cpu_decoder.decoder_step
+    held, calls = [], [0]
+
+    def sabotaged_build(mods, linear, meta, gemm):
+        records = build(mods, linear, meta, gemm)
+        if records is None:
+            return None
+        words, floats, dims = records
+        words = words.clone()
+        held.extend(change(words, cpu_decoder.decoder_layout().word_fields, mods))
+        return words, floats, dims
+
+    def counting_step(*args, **kwargs):
+        calls[0] += 1
+        return step(*args, **kwargs)
+
+    monkeypatch.setattr(FusedDecoder, "_build_c_layers", staticmethod(sabotaged_build))
+    monkeypatch.setattr(cpu_decoder, "decoder_step", counting_step)
+    return calls
+
+
+def _c_step_without_qkv_bias(monkeypatch, model) -> list[int]:
+    def change(words, fields, mods):
+        words[:, fields.index("B_QKV")] = 0  # a null bias: the C step adds none
+        return []
+
+    return _c_step_records(monkeypatch, change)
+
+
+def _c_step_with_ones_post_norm(monkeypatch, model) -> list[int]:
+    def change(words, fields, mods):
+        ones = [torch.ones_like(layer.post_norm[0]) for layer in mods.layers]
+        words[:, fields.index("POST_NORM")] = torch.tensor([w.data_ptr() for w in ones])
+        return ones
+
+    return _c_step_records(monkeypatch, change)
+
+
+def _fused_without_biases(monkeypatch, model) -> list[int]:
+    """Every packed GEMM of the fused forward's Python loop called without its bias."""
+    candidates, calls = gemm_choice.candidates, [0]
+
+    def without_bias(cand: gemm_choice.Candidate) -> gemm_choice.Candidate:
+        def apply(x, packed, weight, bias):
+            calls[0] += bias is not None
+            return cand.apply(x, packed, weight, None)
+
+        return dataclasses.replace(cand, apply=apply)
+
+    monkeypatch.setattr(
+        gemm_choice, "candidates", lambda dtype: {n: without_bias(c) for n, c in candidates(dtype).items()}
+    )
+    return calls
+
+
+def _fused_with_ones_norms(monkeypatch, model, width: int | None = None) -> list[int]:
+    """The fused forward's RMSNorms (of ``width`` channels only, when given) with a ones weight."""
+    real, calls = cpu_kernels.add_rmsnorm, [0]
+
+    def add_rmsnorm(x, delta, weight, eps, out):
+        if width is None or weight.numel() == width:
+            calls[0] += 1
+            weight = torch.ones_like(weight)
+        return real(x, delta, weight, eps, out)
+
+    monkeypatch.setattr(cpu_kernels, "add_rmsnorm", add_rmsnorm)
+    return calls
+
+
+def _fused_with_ones_qk_norms(monkeypatch, model) -> list[int]:
+    return _fused_with_ones_norms(monkeypatch, model, width=model.config.head_dim)
+
+
+SABOTAGES = {
+    "c-step-no-qkv-bias": ("qwen2", _c_step_without_qkv_bias, "oracle"),
+    "c-step-ones-post-norm": ("llama", _c_step_with_ones_post_norm, "oracle"),
+    "fused-no-bias": ("qwen2", _fused_without_biases, "probe"),
+    "fused-ones-norms": ("llama", _fused_with_ones_norms, "probe"),
+    "fused-ones-qk-norms": ("qwen3", _fused_with_ones_qk_norms, "probe"),
+}
+
+
+@pytest.mark.native("avx2")
+@pytest.mark.parametrize("sabotage", list(SABOTAGES))
+def test_a_path_that_drops_a_bias_or_a_norm_weight_is_caught(sabotage, references, monkeypatch) -> None:
+    """On the panel GEMM (the C step for decode rows, the Python loop for the others), a sabotaged
+    path runs and is caught: the engine refuses the model at start, naming the logits that differ
+    from the model's own forward, or its tokens are not ``generate()``'s, nor near-ties of them."""
+    arch, inject, caught_by = SABOTAGES[sabotage]
+    model = make_wide_model(arch)
+    calls = inject(monkeypatch, model)
+    if caught_by == "probe":
+        with pytest.raises(
+            UnsupportedModelError, match="different logits under cbgen's packed, paged forward"
+        ):
+            _run(model, "panel", monkeypatch)
+        assert calls[0] > 0
+        return
+    prompts, outs, plan = _run(model, "panel", monkeypatch)
+    assert plan.forward == "fused" and calls[0] > 0
+    if arch not in references:
+        references[arch] = [hf_greedy(model, p, NEW_TOKENS) for p in prompts]
+    with pytest.raises(AssertionError, match="near-tie"):
+        compare(model, prompts, [o.token_ids for o in outs], references[arch])

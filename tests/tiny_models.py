@@ -44,6 +44,39 @@ ARCHS: dict[str, tuple[str, dict]] = {
 }
 
 
+# Spread of the draws :func:`perturb_vectors` adds to biases and to every other vector parameter.
+BIAS_SPREAD = 0.1
+SCALE_SPREAD = 0.2
+
+
+def perturb_vectors(model: torch.nn.Module, seed: int) -> None:
+    """Adds seeded normal draws to every parameter of fewer than two dimensions (biases, norm weights,
+    any per-channel scale), in place.
+
+    Why: transformers initialises biases to zero and norm weights to one (or to zero where the norm
+    scales by ``1 + weight``, as Gemma's do), and a kernel that dropped such a bias or ignored such a
+    weight would compute the same numbers as the model on those values.  Adding the draws keeps each
+    vector's centre (1 stays the neutral scale of a ``weight * x`` norm, 0 of a ``(1 + weight) * x``
+    one), so every scale lies near its neutral value with a spread of :data:`SCALE_SPREAD`, five
+    spreads from zero (the smallest drawn is about 0.26: no channel is switched off or flipped, and
+    the logits stay as peaked as before), and every bias has a spread of :data:`BIAS_SPREAD`, next to
+    projections of unit-scale inputs whose outputs have a spread of about 0.6 (hidden 64) to 1.3
+    (hidden 256).
+
+    The draws come from a generator of their own, after the matrices were drawn, so the matrices keep
+    the values they had before the vectors were perturbed; in float32 for every dtype, so a bfloat16
+    model holds the rounded values of the float32 one of the same seed.
+    """
+    gen = torch.Generator().manual_seed(0x5EED + seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() >= 2 or not p.is_floating_point():
+                continue
+            spread = BIAS_SPREAD if name.endswith("bias") else SCALE_SPREAD
+            draw = torch.randn(p.shape, generator=gen) * spread
+            p.copy_((p.float() + draw).to(p.dtype))
+
+
 def make_model(arch: str, seed: int = 0, dtype: torch.dtype = torch.float32, **overrides) -> torch.nn.Module:
     """A randomly initialised causal LM of ``arch`` in eval mode."""
     config_name, extra = ARCHS[arch]
@@ -59,6 +92,7 @@ def make_model(arch: str, seed: int = 0, dtype: torch.dtype = torch.float32, **o
         for _name, p in model.named_parameters():
             if p.dim() >= 2:
                 p.normal_(0.0, 0.08)
+    perturb_vectors(model, seed)
     model.generation_config.eos_token_id = 2
     model.generation_config.pad_token_id = 0
     return model.eval()
