@@ -239,7 +239,8 @@ def probe(engine) -> None:
         f"{type(model).__name__} gives different logits under cbgen's packed, paged forward than its "
         f"own forward (relative error {err:.2g}{where}): a part of it mixes tokens outside "
         "transformers' attention interface (a convolution, a recurrent state, positions computed from "
-        "the row) or passes attention an argument the paged kernels do not implement"
+        "the row) or passes attention an argument the paged kernels do not implement, or a cbgen kernel "
+        "on this machine computes that layer wrong (then it is a cbgen bug: please report it)"
     )
 
 
