@@ -1,8 +1,9 @@
 """Bad arguments to ``cbgen info | generate | serve | bench`` (issue #47): one line,
 ``cbgen COMMAND: error: ...``, exit status 2 and no traceback, through the real entry point in a
 subprocess.  A missing model or a bad ``--dtype`` printed a 15-21-line traceback before, and
-``cbgen bench --batch-size -3`` was accepted.  Each case starts an interpreter that imports torch
-(``import cbgen``), so the list is one or two of each kind per command."""
+``cbgen bench --batch-size -3`` was accepted.  Every case runs through ``cbgen.cli.main`` in this
+process; a few also run as ``python -m cbgen.cli`` in a subprocess, which costs an interpreter that
+imports torch each (seconds on a busy 2-core machine, so not all of them)."""
 
 from __future__ import annotations
 
@@ -48,18 +49,35 @@ def _cbgen(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
     )
 
 
+def _check(args: list[str], says: str, code: int, stderr: str, stdout: str, folder: Path) -> None:
+    assert code == 2, stderr
+    assert "Traceback" not in stderr
+    lines = stderr.strip().splitlines()
+    assert len(lines) == 1, stderr
+    assert lines[0].startswith(f"cbgen {args[0]}: error: ") and says in lines[0], lines[0]
+    assert stdout == ""
+    assert list(folder.iterdir()) == []  # nothing written (bench's report folder, say)
+
+
 @pytest.mark.parametrize("case", list(CASES))
-def test_a_bad_argument_is_one_line_and_status_2(case: str, tmp_path: Path) -> None:
+def test_a_bad_argument_is_one_line_and_status_2(
+    case: str, tmp_path: Path, capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from cbgen.cli import main
+
+    args, says = CASES[case]
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as stop:
+        main(args)
+    out = capsys.readouterr()
+    _check(args, says, stop.value.code, out.err, out.out, tmp_path)
+
+
+@pytest.mark.parametrize("case", ["info, missing model", "generate, bad dtype", "bench, negative batch size"])
+def test_the_console_command_prints_the_same_line(case: str, tmp_path: Path) -> None:
     args, says = CASES[case]
     run = _cbgen(args, tmp_path)
-    command = args[0]
-    assert run.returncode == 2, run.stderr
-    assert "Traceback" not in run.stderr
-    lines = run.stderr.strip().splitlines()
-    assert len(lines) == 1, run.stderr
-    assert lines[0].startswith(f"cbgen {command}: error: ") and says in lines[0], lines[0]
-    assert run.stdout == ""
-    assert list(tmp_path.iterdir()) == []  # nothing written (bench's report folder, say)
+    _check(args, says, run.returncode, run.stderr, run.stdout, tmp_path)
 
 
 def test_bench_with_a_missing_model_ends_on_one_error_line(tmp_path: Path) -> None:
