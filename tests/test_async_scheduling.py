@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from cbgen import LLM, SamplingParams
+from cbgen.core.cache_pools import BlockCopy
 from oracle import compare, hf_greedy
 from tiny_models import make_model, make_prompts
 
@@ -264,7 +265,7 @@ def test_fork_copies_travel_on_the_next_plan_with_overlap(llama):
     leader, followers = group.samples[0], group.samples[1:]
     carried = engine.in_flight.next.copies
     # Each follower's copy of the leader's partial tail block; nothing performed them yet.
-    assert carried == [(leader.block_ids[1], f.block_ids[1]) for f in followers]
+    assert carried == [BlockCopy(leader.block_ids[1], f.block_ids[1]) for f in followers]
     assert all(e[0] == "forward" for e in events)
     events.clear()
     outs += engine.step()
@@ -285,7 +286,10 @@ def test_fork_copies_of_a_synchronous_step_are_done_before_the_next_forward(llam
     group = engine.groups[rid]
     leader, followers = group.samples[0], group.samples[1:]
     assert result.in_flight is None and result.plan.copies == []
-    assert events == [("forward",), ("copy", [(leader.block_ids[1], f.block_ids[1]) for f in followers])]
+    assert events == [
+        ("forward",),
+        ("copy", [BlockCopy(leader.block_ids[1], f.block_ids[1]) for f in followers]),
+    ]
 
 
 def test_a_partial_prefix_hit_copy_is_carried_by_the_plan_that_admits_it(llama):
@@ -298,9 +302,9 @@ def test_a_partial_prefix_hit_copy_is_carried_by_the_plan_that_admits_it(llama):
     events = _record_copies_and_forwards(engine)
     result = engine._step(None)
     request = engine.groups[rid].samples[0]
-    ((src, dst),) = result.plan.copies
-    assert dst == request.block_ids[1] and src != dst
-    assert events[:2] == [("copy", [(src, dst)]), ("forward",)]
+    ((src, dst, group),) = result.plan.copies
+    assert dst == request.block_ids[1] and src != dst and group == 0
+    assert events[:2] == [("copy", [BlockCopy(src, dst)]), ("forward",)]
     outs = {}
     while engine.has_unfinished():
         outs.update({o.request_id: o for o in engine.step()})

@@ -82,8 +82,14 @@ class Request:
     num_prompt_tokens: int = field(init=False)
     num_computed_tokens: int = 0
     status: RequestStatus = RequestStatus.WAITING
-    block_ids: list[int] = field(default_factory=list)
-    block_hashes: list[int] = field(default_factory=list)
+    # Per cache group (cbgen.core.cache_pools): the blocks holding its tokens, and the prefix hashes
+    # of its full blocks.  Group 0 is also ``block_ids`` / ``block_hashes``.
+    block_tables: list[list[int]] = field(default_factory=lambda: [[]])
+    hash_tables: list[list[int]] = field(default_factory=lambda: [[]])
+    state_slot: int | None = None  # its slot in the state pool, where the model keeps per-sequence state
+    # Tokens proposed for the next step after its last token (a drafter's); scheduled as extra query
+    # positions, kept or rolled back when the step is applied (cbgen.core.update).
+    draft_token_ids: list[int] = field(default_factory=list)
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at first schedule
     num_preemptions: int = 0
     # n>1: sample 0 (the leader) holds samples 1..n-1 until they fork from its prompt; each of those
@@ -122,6 +128,25 @@ class Request:
             self.group_id = self.request_id
         if self.params.logprobs is not None:
             self.top_logprobs = []
+
+    @property
+    def block_ids(self) -> list[int]:
+        """Group 0's block table (the only one for most models)."""
+        return self.block_tables[0]
+
+    @block_ids.setter
+    def block_ids(self, table: list[int]) -> None:
+        self.block_tables[0] = table
+
+    @property
+    def block_hashes(self) -> list[int]:
+        """Group 0's prefix hashes."""
+        return self.hash_tables[0]
+
+    def forget_hashes(self) -> None:
+        """Drops the prefix hashes (its tokens or what their K/V hold changed); recomputed on demand."""
+        for hashes in self.hash_tables:
+            hashes.clear()
 
     @property
     def prefix_salt(self) -> int | None:
@@ -167,7 +192,7 @@ class Request:
     def reset_outputs(self) -> None:
         """Forgets every generated token and its logprobs (a restart from the prompt)."""
         del self.token_ids[self.num_prompt_tokens :]
-        self.block_hashes.clear()  # they covered the dropped tokens too; recomputed on demand
+        self.forget_hashes()  # they covered the dropped tokens too
         self.rope_switched = False  # the prompt alone has not reached the switch
         self.pending = False
         self.num_computed_tokens = 0

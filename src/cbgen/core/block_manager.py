@@ -48,13 +48,16 @@ class Block:
 
 @dataclass
 class BlockManager:
-    """Allocates KV blocks to sequences; see the module docstring for the caching scheme."""
+    """Allocates the KV blocks of one cache group to sequences; see the module docstring for the
+    caching scheme.  ``group``: which of a request's block tables (``Request.block_tables``) and
+    hash tables it keeps (:class:`cbgen.core.cache_pools.CachePools` holds one per group)."""
 
     num_blocks: int
     block_size: int
     enable_prefix_caching: bool = True
     blocks: list[Block] = field(init=False)
     stats: EngineStats = field(default_factory=EngineStats)  # shared with the scheduler and engine
+    group: int = 0
 
     def __post_init__(self) -> None:
         self.blocks = [Block(i) for i in range(self.num_blocks)]
@@ -89,7 +92,7 @@ class BlockManager:
     # ------------------------------------------------------------------ prefix cache
     def _block_hashes(self, request: Request, num_full_blocks: int) -> list[int]:
         """Extends and returns the request's chained hashes for its first ``num_full_blocks`` blocks."""
-        hashes = request.block_hashes
+        hashes = request.hash_tables[self.group]
         tokens = request.token_ids
         bs = self.block_size
         while len(hashes) < num_full_blocks:
@@ -160,18 +163,20 @@ class BlockManager:
         if not self.enable_prefix_caching or _needs_prompt_logits(request):
             return []
         start = request.num_computed_tokens // self.block_size
-        end = (request.num_computed_tokens + num_new_tokens) // self.block_size
+        # Draft positions are not tokens yet: only blocks of known tokens have a hash.
+        end = min(request.num_computed_tokens + num_new_tokens, len(request.token_ids)) // self.block_size
         return self._block_hashes(request, end)[start:end]
 
     def cache_computed_blocks(self, request: Request) -> None:
         """Publishes the request's full, computed blocks under their prefix hash."""
         if not self.enable_prefix_caching:
             return
-        num_full = min(request.num_computed_tokens // self.block_size, len(request.block_ids))
+        table = request.block_tables[self.group]
+        num_full = min(request.num_computed_tokens // self.block_size, len(table))
         hashes = self._block_hashes(request, num_full)
         bs = self.block_size
         for i in range(num_full):
-            block = self.blocks[request.block_ids[i]]
+            block = self.blocks[table[i]]
             if block.block_hash is not None:
                 continue
             if hashes[i] in self._cached:
@@ -185,6 +190,11 @@ class BlockManager:
 
     def reset_prefix_cache(self) -> None:
         """Forgets every published hash (e.g. after a weight update): nothing can be matched again."""
+        self.forget_published()
+        self.stats.prefix_cache_resets += 1
+
+    def forget_published(self) -> None:
+        """:meth:`reset_prefix_cache` without counting it (a multi-group reset counts once)."""
         for block_id in self._cached.values():
             block = self.blocks[block_id]
             block.block_hash = None
@@ -192,7 +202,6 @@ class BlockManager:
             block.parent_hash = None
         self._cached.clear()
         self._partial.clear()
-        self.stats.prefix_cache_resets += 1
 
     # ------------------------------------------------------------------ allocation
     def _take_free_block(self) -> int:
@@ -236,41 +245,67 @@ class BlockManager:
         next block, a fresh one the caller must fill by copying the source block into it.  Returns
         False, changing nothing, when the pool is short.
         """
+        table = request.block_tables[self.group]
         if not cached_blocks and partial is None:  # every running request, every step: the short way
-            need = -(-(request.num_computed_tokens + num_new_tokens) // self.block_size) - len(
-                request.block_ids
-            )
+            need = -(-(request.num_computed_tokens + num_new_tokens) // self.block_size) - len(table)
             if need <= 0:
                 return True
             if need > len(self._free):
                 return False
             for _ in range(need):
-                request.block_ids.append(self._take_free_block())
+                table.append(self._take_free_block())
             return True
-        have = len(request.block_ids) + len(cached_blocks)
         computed = request.num_computed_tokens + len(cached_blocks) * self.block_size
         computed += partial[1] if partial is not None else 0
-        need = self.blocks_needed(computed + num_new_tokens) - have
-        if not self.can_allocate(max(need, 0), cached_blocks):
+        if not self.can_reserve(request, computed + num_new_tokens, cached_blocks):
             return False
+        self.reserve(request, computed + num_new_tokens, cached_blocks)
+        request.num_computed_tokens = computed
+        return True
+
+    def _need(self, request: Request, num_tokens: int, cached_blocks: Sequence[int]) -> int:
+        have = len(request.block_tables[self.group]) + len(cached_blocks)
+        return max(self.blocks_needed(num_tokens) - have, 0)
+
+    def can_reserve(self, request: Request, num_tokens: int, cached_blocks: Sequence[int] = ()) -> bool:
+        """Whether :meth:`reserve` would find the blocks it needs."""
+        return self.can_allocate(self._need(request, num_tokens, cached_blocks), cached_blocks)
+
+    def reserve(self, request: Request, num_tokens: int, cached_blocks: Sequence[int] = ()) -> None:
+        """Appends ``cached_blocks`` (held) and fresh blocks to the request's table until it holds
+        ``num_tokens`` tokens; ``num_computed_tokens`` is the caller's (see :meth:`allocate`).  Check
+        :meth:`can_reserve` first."""
+        need = self._need(request, num_tokens, cached_blocks)
+        table = request.block_tables[self.group]
         for block_id in cached_blocks:
             self._hold(block_id)
-        request.block_ids.extend(cached_blocks)
-        request.num_computed_tokens = computed
-        for _ in range(max(need, 0)):
-            request.block_ids.append(self._take_free_block())
-        return True
+        table.extend(cached_blocks)
+        for _ in range(need):
+            table.append(self._take_free_block())
+
+    def truncate(self, request: Request, num_tokens: int) -> None:
+        """Frees the request's blocks past the first ``num_tokens`` tokens (positions computed for
+        drafts that were not accepted; nothing published is among them)."""
+        table = request.block_tables[self.group]
+        keep = self.blocks_needed(num_tokens)
+        if len(table) > keep:
+            self.release(table[keep:])
+            del table[keep:]
 
     def free(self, request: Request) -> None:
         """Releases the request's blocks.  The tail goes to the LRU first, so shared prefix blocks,
         which are more likely to be reused, are evicted last."""
-        for block_id in reversed(request.block_ids):
+        self.release(request.block_tables[self.group])
+        request.block_tables[self.group] = []
+
+    def release(self, block_ids: list[int]) -> None:
+        """Drops one reference to each of ``block_ids``, the last ones first (see :meth:`free`)."""
+        for block_id in reversed(block_ids):
             block = self.blocks[block_id]
             block.ref_count -= 1
             assert block.ref_count >= 0, f"block {block_id} freed twice"
             if block.ref_count == 0:
                 self._free[block_id] = None
-        request.block_ids = []
 
     def fork(self, parent: Request, child: Request, num_tokens: int | None = None) -> tuple[int, int] | None:
         """Makes ``child`` share ``parent``'s first ``num_tokens`` computed tokens (default: all of
@@ -281,23 +316,25 @@ class BlockManager:
         block copy the runner must perform before the next forward.  Returns None when no copy is needed.
         Raises ``MemoryError`` if the copy cannot be allocated (the caller recomputes instead).
         """
-        assert not child.block_ids
+        g = self.group
+        assert not child.block_tables[g]
         shared = parent.num_computed_tokens if num_tokens is None else num_tokens
         assert shared <= parent.num_computed_tokens
         num_full = shared // self.block_size
         partial = shared % self.block_size != 0
         if partial and not self._free:
             raise MemoryError("no free block for copy-on-fork")
-        for block_id in parent.block_ids[:num_full]:
+        source = parent.block_tables[g]
+        for block_id in source[:num_full]:
             self._hold(block_id)
-        child.block_ids = list(parent.block_ids[:num_full])
-        child.block_hashes = list(parent.block_hashes[:num_full])
+        child.block_tables[g] = list(source[:num_full])
+        child.hash_tables[g] = list(parent.hash_tables[g][:num_full])
         child.num_computed_tokens = shared
         if not partial:
             return None
         dst = self._take_free_block()
-        child.block_ids.append(dst)
-        return parent.block_ids[num_full], dst
+        child.block_tables[g].append(dst)
+        return source[num_full], dst
 
     def check_invariants(self, tables: list[list[int]]) -> None:
         """Asserts refcounts equal table membership and free + used == total (used by tests)."""

@@ -18,14 +18,18 @@ front end lets in; this decides, within one step, which waiting prompts the sche
 
 from __future__ import annotations
 
-from cbgen.core.block_manager import BlockManager
+from typing import TYPE_CHECKING
+
 from cbgen.request import Request
+
+if TYPE_CHECKING:
+    from cbgen.core.cache_pools import CachePools
 
 
 class ComputingBlocks:
     """The prefix hashes of the full blocks this step completes, grown as prompts are admitted."""
 
-    def __init__(self, block_manager: BlockManager, scheduled: list[tuple[Request, int]]) -> None:
+    def __init__(self, block_manager: CachePools, scheduled: list[tuple[Request, int]]) -> None:
         self._bm = block_manager
         self._scheduled = scheduled
         # Hashed on first use only: every running row's hashes on every decode step cost ~0.1 ms,
@@ -41,7 +45,7 @@ class ComputingBlocks:
     def holds_back(self, request: Request, num_cached_blocks: int) -> bool:
         """Whether the waiting ``request`` should wait one step: it has computed nothing and its
         first block past its ``num_cached_blocks`` cached ones is one this step completes.  Call it
-        after :meth:`BlockManager.match_prefix`, which hashes the blocks it looked at."""
+        after :meth:`CachePools.match_prefix`, which hashes the blocks it looked at."""
         if request.num_computed_tokens:
             return False
         computing = self._computing()

@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 
 from cbgen.core.block_manager import BlockManager
 from cbgen.core.cache_aware import ComputingBlocks
+from cbgen.core.cache_pools import BlockCopy, CachePools
 from cbgen.core.fairness import Fairness, Jobs, RequestFilter
 from cbgen.request import Request, RequestStatus
 
@@ -46,8 +47,8 @@ class SchedulerOutput:
     scheduled: list[tuple[Request, int]] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
     failed: list[Request] = field(default_factory=list)
-    # (src, dst) blocks the runner copies before this step's forward: partial prefix hits.
-    copies: list[tuple[int, int]] = field(default_factory=list)
+    # Blocks the runner copies before this step's forward: partial prefix hits.
+    copies: list[BlockCopy] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -68,11 +69,14 @@ class Scheduler:
 
     def __init__(
         self,
-        block_manager: BlockManager,
+        block_manager: CachePools | BlockManager,
         max_num_batched_tokens: int,
         max_num_seqs: int,
         fairness: Fairness | None = None,
     ) -> None:
+        # Every cache group's pool (a lone BlockManager is the one-group cache).
+        if isinstance(block_manager, BlockManager):
+            block_manager = CachePools([block_manager])
         self.block_manager = block_manager
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
@@ -194,11 +198,9 @@ class Scheduler:
     def _fail_never_fits(self, request: Request, num_tokens: int, out: SchedulerOutput) -> None:
         """Fails ``request``: ``num_tokens`` of it need more blocks than the pool can give it, so no
         preemption can make room and retrying would loop forever.  The caller takes it off its queue."""
-        bm = self.block_manager
         request.error = (
-            f"request needs {bm.blocks_needed(num_tokens)} KV blocks of {bm.block_size} tokens for "
-            f"{num_tokens} tokens but the cache has only {bm.num_blocks}; raise num_blocks/kv_cache_memory "
-            "or shorten the request"
+            f"request needs {self.block_manager.describe_need(num_tokens)} for {num_tokens} tokens; raise "
+            "num_blocks/kv_cache_memory or shorten the request"
         )
         out.failed.append(request)
 
@@ -221,7 +223,9 @@ class Scheduler:
                 i += 1  # its last token is in flight and ends it: nothing left to compute
                 continue
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            if bm.blocks_needed(request.num_computed_tokens + num_new) > bm.num_blocks:
+            if request.draft_token_ids:
+                num_new = self._with_drafts(request, num_new, budget)
+            if not bm.fits(request.num_computed_tokens + num_new):
                 if request.pending:
                     i += 1  # decide once its in-flight token is known: it may stop the request
                     continue
@@ -244,6 +248,17 @@ class Scheduler:
                 continue
             break
         return budget, victims
+
+    @staticmethod
+    def _with_drafts(request: Request, num_new: int, budget: int) -> int:
+        """A decode row's tokens with its drafts after them, as many as ``budget`` leaves room for
+        (the drafts it cannot take are dropped); a row mid-prefill keeps them for its last chunk.
+        A row whose last token is still on the device takes none (its input is patched in there)."""
+        if num_new != request.num_tokens - request.num_computed_tokens:
+            return num_new
+        keep = 0 if request.pending else min(len(request.draft_token_ids), budget - num_new)
+        del request.draft_token_ids[keep:]
+        return num_new + keep
 
     def _pop_victim(self, scheduled: set[int], evictable: RequestFilter | None = None) -> Request | None:
         """Takes the last running sequence that is not scheduled in this step (and ``evictable``)."""
@@ -280,12 +295,11 @@ class Scheduler:
             seats = self.num_seats_used
             if budget <= 0 or seats >= self.max_num_seqs or request.pending:
                 break  # pending: preempted with a token still on the device, which a prefill needs
-            cached = bm.match_prefix(request)
-            if computing.holds_back(request, len(cached)):
+            hit = bm.match_prefix(request)
+            if computing.holds_back(request, hit.num_blocks):
                 continue
-            num_cached_tokens = len(cached) * bm.block_size
-            first_chunk = num_cached_tokens + min(request.num_tokens - num_cached_tokens, budget)
-            fits = bm.blocks_needed(first_chunk) <= bm.num_blocks
+            first_chunk = hit.tokens + min(request.num_tokens - hit.tokens, budget)
+            fits = bm.fits(first_chunk)
             placed = self._allocate_first(out, request, budget, evict) if fits else None
             if placed is None:
                 # Room comes back as running work ends, and as the blocks of a request that failed in
@@ -311,13 +325,13 @@ class Scheduler:
         or None if it does not fit."""
         bm = self.block_manager
         while True:
-            cached = bm.match_prefix(request)
-            partial = bm.match_partial(request, len(cached))
-            num_cached_tokens = len(cached) * bm.block_size + (partial[1] if partial else 0)
+            hit = bm.match_partial(request, bm.match_prefix(request))
+            partial = hit.partial
+            num_cached_tokens = hit.tokens + (partial[1] if partial else 0)
             num_new = min(request.num_tokens - num_cached_tokens, budget)
-            if bm.allocate(request, num_new, cached, partial):
+            if bm.allocate(request, num_new, hit):
                 if partial is not None:
-                    out.copies.append((partial[0], request.block_ids[len(cached)]))
+                    out.copies.append(BlockCopy(partial[0], request.block_ids[hit.num_blocks]))
                 return num_new, num_cached_tokens
             if not evict or not self._evict(out, evict):
                 return None

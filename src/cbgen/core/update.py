@@ -6,11 +6,15 @@ the rules that run are the rules that are tested.
 
 A step, seen from here:
 
-1. :func:`advance` when the forward is launched: the scheduled tokens count as computed.
+1. :func:`advance` when the forward is launched: the scheduled positions count as computed,
+   provisionally (a drafted position whose token is not accepted is rolled back in 2).
 2. :func:`apply_sampled` once the sampled tokens are on the host: forks n>1 samples off their
-   leader's prompt, appends one token (and its logprobs) per sampled row, checks stops, ends
-   sequences (:func:`finish`, the one place a sequence ends and frees its blocks), and publishes
-   the full blocks the step completed to the prefix cache.
+   leader's prompt, commits each sampled row's *run* of tokens (one token, or the accepted drafts
+   and the token sampled after them) one token at a time, checking stops, ``max_tokens`` and the
+   length limit after each, so a stop inside a run drops the rest of it; rolls back the positions
+   computed for drafts that were not accepted (their blocks freed); ends sequences (:func:`finish`,
+   the one place a sequence ends and frees its blocks); and publishes the full blocks the step
+   completed to the prefix cache.
 
 With overlap scheduling (2) runs one step after (1), so the next step may already be scheduled
 around a token that is still on the device (``Request.pending``); a token sampled for a sequence
@@ -24,6 +28,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from cbgen.core.cache_pools import BlockCopy, ForkCopies
 from cbgen.core.scheduler import Scheduler
 from cbgen.request import Request, RequestGroup, RequestStatus
 
@@ -33,7 +38,12 @@ StopStringCheck = Callable[[Request, int], "str | None"]
 
 @dataclass
 class SampledTokens:
-    """One step's sampled rows on the host; row ``i`` belongs to the step's ``i``-th sampling sequence."""
+    """One step's sampled rows on the host; row ``i`` belongs to the step's ``i``-th sampling sequence.
+
+    The per-token fields (``top_ids``/``top_logprobs`` included) hold every row's run, concatenated
+    in row order: row ``i`` owns ``runs[i]`` consecutive entries (one each when ``runs`` is None, a
+    step without drafts).  ``failed`` is keyed by row.  ``rejected[i]``: positions computed for
+    row ``i``'s drafts whose tokens were not accepted (rolled back)."""
 
     token_ids: list[int]
     logprobs: list[float]
@@ -44,6 +54,8 @@ class SampledTokens:
     top_ids: list[list[int]] | None = None
     top_logprobs: list[list[float]] | None = None
     failed: dict[int, str] = field(default_factory=dict)  # row -> why nothing could be sampled
+    runs: list[int] | None = None
+    rejected: list[int] | None = None
 
 
 @dataclass
@@ -52,15 +64,17 @@ class StepUpdate:
 
     touched: list[Request] = field(default_factory=list)  # got a token or ended
     ended: list[Request] = field(default_factory=list)  # reached a terminal status, in order
-    copies: list[tuple[int, int]] = field(default_factory=list)  # copy-on-fork (src, dst) blocks
+    copies: list[BlockCopy] = field(default_factory=list)  # copy-on-fork blocks
+    state_copies: list[tuple[int, int]] = field(default_factory=list)  # copy-on-fork (src, dst) state slots
     num_generated: int = 0
 
 
 def sampling_sequences(request: Request, num_new_tokens: int) -> list[Request]:
     """The sequences that sample from ``request``'s last row in a step that computes
     ``num_new_tokens`` of it: none mid-prefill, else the request itself, followed by its n>1
-    followers when this completes the group's shared prompt."""
-    if request.num_computed_tokens + num_new_tokens != request.num_tokens:
+    followers when this completes the group's shared prompt.  (A row with drafts reaches past its
+    tokens by its drafts, and samples at each of their positions and after them.)"""
+    if request.num_computed_tokens + num_new_tokens != request.num_tokens + len(request.draft_token_ids):
         return []
     if request.followers and request.num_tokens == request.num_prompt_tokens:
         return [request, *request.followers]
@@ -100,47 +114,82 @@ def apply_sampled(
     # Forks first: a leader may finish in this very step and free its blocks.
     for r in requests:
         if r.status is RequestStatus.WAITING_FOR_FORK:
-            pair = fork_follower(scheduler, r)
-            if pair is not None:
-                update.copies.append(pair)
-    tokens, failed, top_ids = sampled.token_ids, sampled.failed, sampled.top_ids
+            forked = fork_follower(scheduler, r)
+            if forked is not None:
+                update.copies += forked.blocks
+                if forked.state is not None:
+                    update.state_copies.append(forked.state)
+    failed, runs, rejected = sampled.failed, sampled.runs, sampled.rejected
     now = time.monotonic()
+    at = 0  # the row's first entry in the per-token fields
     # Runs for every sampled sequence every step: each attribute is read once.
     for i, r in enumerate(requests):
+        n = 1 if runs is None else runs[i]
+        start, at = at, at + n
+        if rejected is not None and rejected[i]:
+            rollback(scheduler, r, rejected[i])
+        if r.draft_token_ids:
+            r.draft_token_ids = []  # consumed by this step, accepted or not
         if r.is_finished:
-            continue  # ended (stopped, aborted) after this step was launched: its token is dropped
+            continue  # ended (stopped, aborted) after this step was launched: its tokens are dropped
         update.touched.append(r)
         if i in failed:
             update.ended += finish(scheduler, r, RequestStatus.FINISHED_ERROR, failed[i])
             continue
         if r.first_token_time is None:
             r.first_token_time = now
-        token = tokens[i]
-        r.append_token(token)
-        r.token_logprobs.append(sampled.logprobs[i])
-        r.raw_logprobs.append(sampled.raw_logprobs[i])
-        r.log_kept_mass.append(sampled.log_kept_mass[i])
-        if sampled.kept_counts:
-            r.kept_counts.append(sampled.kept_counts[i])
-            r.kept_thresholds.append(sampled.kept_thresholds[i])
-        else:
-            r.kept_counts.append(0)
-            r.kept_thresholds.append(-math.inf)
-        if r.top_logprobs is not None and top_ids is not None:
-            k = r.params.logprobs or 0
-            # Candidates cut by truncation carry -inf: they were never possible, so leave them out.
-            pairs = zip(top_ids[i][:k], sampled.top_logprobs[i][:k])
-            r.top_logprobs.append({t: lp for t, lp in pairs if lp > -math.inf})
-        update.num_generated += 1
-        status = stop_status(r, token, max_model_len, stop_string)
-        if status is not None:
-            if not r.pending:
-                # Its blocks stay findable once freed: a prompt that ends at its first token
-                # (max_tokens=1, scoring) would otherwise never serve the prompts that share it.
-                scheduler.block_manager.cache_computed_blocks(r)
-            update.ended += finish(scheduler, r, status)
+        for j in range(start, start + n):
+            status = _commit(r, sampled, i, j, max_model_len, stop_string)
+            update.num_generated += 1
+            if status is not None:
+                if not r.pending:
+                    # Its blocks stay findable once freed: a prompt that ends at its first token
+                    # (max_tokens=1, scoring) would otherwise never serve the prompts that share it.
+                    scheduler.block_manager.cache_computed_blocks(r)
+                update.ended += finish(scheduler, r, status)
+                break
     publish(scheduler, crossed)
     return update
+
+
+def _commit(
+    r: Request,
+    sampled: SampledTokens,
+    row: int,
+    j: int,
+    max_model_len: int,
+    stop_string: StopStringCheck | None,
+) -> RequestStatus | None:
+    """Appends entry ``j`` of ``sampled`` (a token of row ``row``'s run) to ``r``; returns the
+    terminal status it puts ``r`` in, or None."""
+    token = sampled.token_ids[j]
+    r.append_token(token)
+    r.token_logprobs.append(sampled.logprobs[j])
+    r.raw_logprobs.append(sampled.raw_logprobs[j])
+    r.log_kept_mass.append(sampled.log_kept_mass[j])
+    if sampled.kept_counts:
+        r.kept_counts.append(sampled.kept_counts[j])
+        r.kept_thresholds.append(sampled.kept_thresholds[j])
+    else:
+        r.kept_counts.append(0)
+        r.kept_thresholds.append(-math.inf)
+    top_ids = sampled.top_ids
+    if r.top_logprobs is not None and top_ids is not None:
+        k = r.params.logprobs or 0
+        # Candidates cut by truncation carry -inf: they were never possible, so leave them out.
+        pairs = zip(top_ids[j][:k], sampled.top_logprobs[j][:k])
+        r.top_logprobs.append({t: lp for t, lp in pairs if lp > -math.inf})
+    return stop_status(r, token, max_model_len, stop_string)
+
+
+def rollback(scheduler: Scheduler, r: Request, num_positions: int) -> None:
+    """Takes back the last ``num_positions`` positions :func:`advance` counted as computed for ``r``
+    (drafts whose tokens were not accepted) and frees the blocks past its tokens.  Nothing from them
+    was published: publishing happens after this, and only over computed positions."""
+    r.num_computed_tokens -= num_positions
+    assert r.num_computed_tokens >= 0, (r.request_id, num_positions)
+    if not r.is_finished:
+        scheduler.block_manager.truncate(r, max(r.num_tokens, r.num_computed_tokens))
 
 
 def stop_status(
@@ -164,8 +213,8 @@ def stop_status(
     return None
 
 
-def fork_follower(scheduler: Scheduler, follower: Request) -> tuple[int, int] | None:
-    """Starts an n>1 sample off its leader's computed prompt; returns the block copy it needs.
+def fork_follower(scheduler: Scheduler, follower: Request) -> ForkCopies | None:
+    """Starts an n>1 sample off its leader's computed prompt; returns the copies it needs.
 
     Full prompt blocks are shared; the partial last one is copied.  When that is not possible (no
     seat reserved for it, no free block for the copy, or the leader lost its prompt's K/V to a
@@ -181,12 +230,12 @@ def fork_follower(scheduler: Scheduler, follower: Request) -> tuple[int, int] | 
         try:
             # The prompt only: with overlap scheduling the leader may already have computed its
             # first sampled token, which is not the follower's.
-            pair = scheduler.block_manager.fork(leader, follower, leader.num_prompt_tokens)
+            copies = scheduler.block_manager.fork(leader, follower, leader.num_prompt_tokens)
         except MemoryError:
             pass
         else:
             scheduler.add_running(follower)
-            return pair
+            return copies
     scheduler.requeue(follower)
     return None
 
