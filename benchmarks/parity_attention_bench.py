@@ -15,8 +15,8 @@ import time
 
 import torch
 
+from cbgen.batch_invariant.kernels.cpu_parity import parity_attention
 from cbgen.model.kernels.cpu import ops
-from cbgen.model.kernels.cpu.parity import parity_attention
 from cbgen.utils import advise_huge_pages
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK, LAYERS = 9, 3, 64, 16, 30

@@ -1,5 +1,7 @@
 """The package's layering (docs/design.md, "The shape"), checked on the source: which layer may import
-which, the torch-free modules, and no import cycle among module-level imports.
+which, the torch-free modules, and no import cycle among module-level imports; inside the device
+layer, parity mode (``batch_invariant``) between the model's kernels and the modules that run its
+plan; the start-up checks' typed view of the engine.
 
 Every ``import``/``from`` statement counts for the layer rules, function-level ones included (a lazy
 import is still a dependency); the cycle check reads module-level imports only, outside
@@ -29,9 +31,29 @@ LEAVES = {
     "cbgen.limits",
     "cbgen.detokenizer",
     "cbgen.output_processor",
+    "cbgen.topology",
 }
-FRONT = ("cbgen.llm", "cbgen.async_engine", "cbgen.server", "cbgen.cli", "cbgen.demo", "cbgen.integrations")
-ENGINE = ("cbgen.engine", "cbgen.step", "cbgen.engine_control")
+FRONT = (
+    "cbgen.llm",
+    "cbgen.async_engine",
+    "cbgen.server",
+    "cbgen.cli",
+    "cbgen.demo",
+    "cbgen.integrations",
+    "cbgen.distributed",
+)
+ENGINE = ("cbgen.engine", "cbgen.step", "cbgen.engine_control", "cbgen.lockstep")
+# Parity mode sits inside the device layer, between two parts of model/: it uses the kernels,
+# attention and per-thread views below it, and the modules that choose and run the parity plan
+# (and the start-up check of its direct forward) use it.  Only those may import it.
+PARITY = "cbgen.batch_invariant"
+PARITY_USERS = ("cbgen.model.plan", "cbgen.model.runner", "cbgen.model.backends", "cbgen.model.support")
+BELOW_PARITY = (
+    "cbgen.model.kernels",
+    "cbgen.model.attention",
+    "cbgen.model.thread_view",
+    "cbgen.model.cpu_threads",
+)
 TORCH_FREE = ("cbgen.core", "cbgen.limits", "cbgen.request", "cbgen.sampling_params", "cbgen.inputs")
 
 
@@ -95,11 +117,54 @@ def test_core_imports_only_core_and_leaf_modules():
 
 
 def test_device_layers_do_not_import_the_engine_or_the_ways_in():
+    # (Which tensor-parallel shard this process holds is the leaf module cbgen.topology.)
     device = ("cbgen.model", "cbgen.sample", "cbgen.batch_invariant")
-    assert _violations(device, (*ENGINE, *FRONT, "cbgen.distributed.lockstep")) == []
-    # model/ sees one thing of distributed/: which tensor-parallel shard this process holds.
-    uses = {i for m, imps in IMPORTS.items() if _under(m, ("cbgen.model",)) for i in imps}
-    assert {i for i in uses if _under(i, ("cbgen.distributed",))} <= {"cbgen.distributed.topology"}
+    assert _violations(device, (*ENGINE, *FRONT)) == []
+
+
+def test_the_kernels_do_not_import_parity_mode():
+    # The parity kernels' bindings live in batch_invariant/kernels and import model.kernels.
+    assert _violations(BELOW_PARITY, (PARITY,)) == []
+
+
+def test_only_the_parity_plans_users_in_model_import_parity_mode():
+    users = {
+        m for m, imps in IMPORTS.items() if _under(m, ("cbgen.model",)) for i in imps if _under(i, (PARITY,))
+    }
+    assert users <= set(PARITY_USERS)
+    # ... and parity mode imports none of them: the plan, the runner and the checks sit above it.
+    assert _violations((PARITY,), PARITY_USERS) == []
+
+
+def test_no_package_cycle_between_parity_mode_and_model():
+    """With the modules that choose and run the parity plan set aside, batch_invariant and the rest
+    of model/ import each other at most one way (all imports, function-level ones included)."""
+
+    def package(name: str) -> str | None:
+        if _under(name, (PARITY,)):
+            return PARITY
+        if _under(name, ("cbgen.model",)) and not _under(name, PARITY_USERS):
+            return "cbgen.model"
+        return None
+
+    crossing = [
+        (m, i)
+        for m, imps in IMPORTS.items()
+        for i in imps
+        if package(m) and package(i) and package(m) != package(i)
+    ]
+    directions = {(package(m), package(i)) for m, i in crossing}
+    assert len(directions) <= 1, sorted(f"{m} imports {i}" for m, i in crossing)
+
+
+def test_the_start_up_checks_take_a_typed_view_of_the_engine():
+    # model/startup.py's StartupTarget, built by the engine: the checks need nothing of cbgen.engine.
+    checks = {
+        node.name: node for node in TREES["cbgen.model.support"].body if isinstance(node, ast.FunctionDef)
+    }
+    for name in ("probe", "paged_probe_logits", "check_direct_forward"):
+        first = checks[name].args.args[0]
+        assert first.annotation is not None and ast.unparse(first.annotation) == "StartupTarget", name
 
 
 def test_the_engine_does_not_import_the_ways_in():
@@ -184,6 +249,18 @@ def test_the_checks_can_fail():
             test_core_imports_only_core_and_leaf_modules()
         with pytest.raises(AssertionError):
             test_torch_free_modules("cbgen.core")
+        # A kernel that imports parity mode closes a package cycle with batch_invariant/kernels.
+        IMPORTS["cbgen.model.kernels.cpu.ops"] = [
+            *IMPORTS["cbgen.model.kernels.cpu.ops"],
+            "cbgen.batch_invariant.native",
+        ]
+        for check in (
+            test_the_kernels_do_not_import_parity_mode,
+            test_only_the_parity_plans_users_in_model_import_parity_mode,
+            test_no_package_cycle_between_parity_mode_and_model,
+        ):
+            with pytest.raises(AssertionError):
+                check()
     finally:
         TREES.clear()
         TREES.update(saved[0])

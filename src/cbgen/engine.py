@@ -13,7 +13,7 @@ overlap scheduling the sampled tokens stay on the device and the launched step i
 ``step()`` as a value (``InFlight``): that call launches the plan scheduled while the device was busy,
 feeding it the in-flight tokens on the device, then applies the in-flight step on the CPU while the
 new forward runs.  Nothing else carries state from one step to the next.  Tensor-parallel lockstep is
-not a branch of the step: the engine composes a :class:`~cbgen.distributed.lockstep.StepSync` whose
+not a branch of the step: the engine composes a :class:`~cbgen.lockstep.StepSync` whose
 hooks decide locally (a rank alone) or with the group's root.
 """
 
@@ -27,17 +27,16 @@ from collections.abc import Callable, Sequence
 import torch
 
 from cbgen import envs
-from cbgen.batch_invariant import direct_forward
 from cbgen.config import EngineConfig
 from cbgen.core import update as step_update
 from cbgen.core.block_manager import BlockManager
+from cbgen.core.cache_pools import CachePools
 from cbgen.core.scheduler import Scheduler
 from cbgen.core.stats import EngineStats, StepStats
-from cbgen.distributed.lockstep import step_sync
-from cbgen.distributed.topology import topology_of
 from cbgen.engine_control import EngineControl
 from cbgen.inputs import as_token_ids
 from cbgen.limits import RequestLimits
+from cbgen.lockstep import step_sync
 from cbgen.model import support
 from cbgen.model.cpu_threads import ThreadGovernor
 from cbgen.model.input_batch import InputBuilder, ModelInput
@@ -46,6 +45,7 @@ from cbgen.model.loading.weights import WeightWatcher
 from cbgen.model.plan import ExecutionPlan, resolve_plan
 from cbgen.model.rotary import length_rotary
 from cbgen.model.runner import ModelRunner
+from cbgen.model.startup import StartupTarget
 from cbgen.output_processor import OutputProcessor
 from cbgen.outputs import RequestOutput
 from cbgen.request import Request, RequestGroup, RequestStatus, RopeSwitch
@@ -55,6 +55,7 @@ from cbgen.sample.sampler import Sampler
 from cbgen.sample.structured import StructuredOutputs
 from cbgen.sampling_params import SamplingParams
 from cbgen.step import Applied, InFlight, LaunchedStep, StepPlan, StepResult, sum_times
+from cbgen.topology import topology_of
 
 logger = logging.getLogger("cbgen")
 
@@ -189,7 +190,9 @@ class Engine:
             max_useful_tokens=config.max_num_seqs * self.max_model_len + config.max_num_batched_tokens,
         )
         self.kv_cache = KVCache(geometry, num_blocks, config.block_size, self.device)
-        self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.block_manager = CachePools(
+            [BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)]
+        )
         self.scheduler = Scheduler(self.block_manager, config.max_num_batched_tokens, config.max_num_seqs)
         plan = resolve_plan(model, config, self.device, self.dtype, head_dim=geometry.head_dim)
         logger.info("cbgen: execution plan: %s", plan)
@@ -203,15 +206,26 @@ class Engine:
             length_rotary=self.length_rotary,
         )
         self.runner.warmup()
+        # The start-up checks see this engine through a narrow, typed view (model/startup.py).
+        target = StartupTarget(
+            runner=self.runner,
+            kv_cache=self.kv_cache,
+            model=self.model,
+            vocab_size=self.vocab_size,
+            dtype=self.dtype,
+            device=self.device,
+            max_model_len=self.max_model_len,
+            rope_extents=self.length_rotary is not None,
+        )
         if config.verify_model:
-            support.probe(self)
+            support.probe(target)
             # The probe's sequences are short: where the rotary switches sets with the length, the
             # per-token tables are checked against the module at the switch too.
             why = self.length_rotary.check(self.dtype) if self.length_rotary is not None else None
             if why is not None:
                 raise support.UnsupportedModelError(why)
         if plan.forward == "direct":
-            self.runner.direct_check_done(direct_forward.self_check(self))
+            self.runner.direct_check_done(support.check_direct_forward(target))
         # Short prefill chunks as decode-kernel rows: measured on the C kernels only (see input_batch).
         self.input_builder = InputBuilder(
             config.block_size,
@@ -349,7 +363,7 @@ class Engine:
                 self.scheduler.remove(r)
                 r.num_computed_tokens = 0
                 self.scheduler.requeue(r)
-            r.block_hashes.clear()
+            r.forget_hashes()
             r.rope_switched = True
 
     def abort(self, request_id: str) -> RequestOutput | None:

@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import pytest
 
 from cbgen import LLM, SamplingParams
-from cbgen.distributed.lockstep import GroupSync, Lockstep, Solo
+from cbgen.lockstep import GroupSync, Lockstep, Solo
 from tiny_models import make_model, make_prompts
 
 GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)

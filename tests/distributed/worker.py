@@ -26,8 +26,8 @@ from transformers import AutoModelForCausalLM  # noqa: E402
 from cbgen import LLM, SamplingParams  # noqa: E402
 from cbgen.core.update import SampledTokens  # noqa: E402
 from cbgen.distributed import generate_dp  # noqa: E402
-from cbgen.distributed.lockstep import Ingress, Lockstep  # noqa: E402
-from cbgen.distributed.topology import Topology  # noqa: E402
+from cbgen.lockstep import Ingress, Lockstep  # noqa: E402
+from cbgen.topology import Topology  # noqa: E402
 from oracle import compare, hf_greedy  # noqa: E402
 from tiny_models import make_model  # noqa: E402
 

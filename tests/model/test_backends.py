@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from cbgen import LLM
-from cbgen.model.backends import CpuBackend, TorchBackend, choose_backend, select_backend
+from cbgen.model.backends import CpuBackend, TorchBackend, backend_choice, make_backend
 from cbgen.model.cpu_fast import fused_forward as fused_decode
 from cbgen.model.kernels.cpu import decoder as cpu_decoder
 from cbgen.model.kernels.cpu import ops as cpu_kernels
@@ -20,7 +20,9 @@ needs_c = pytest.mark.skipif(
 
 
 def test_torch_backend_pads_to_scratch_and_stores_every_slot_when_fixed() -> None:
-    backend = select_backend("torch", torch.device("cpu"), torch.float32)
+    backend = make_backend(
+        backend_choice("torch", torch.device("cpu"), torch.float32)[0], torch.device("cpu")
+    )
     assert isinstance(backend, TorchBackend) and backend.name == "torch"
     assert backend.row_prefill_max == 0 and not backend.paged_decode
     assert backend.pad_slot(123) == 123
@@ -31,9 +33,11 @@ def test_torch_backend_pads_to_scratch_and_stores_every_slot_when_fixed() -> Non
 
 @needs_c
 def test_cpu_backend_holds_the_c_kernels() -> None:
-    backend = select_backend("auto", torch.device("cpu"), torch.bfloat16)
+    backend = make_backend(
+        backend_choice("auto", torch.device("cpu"), torch.bfloat16)[0], torch.device("cpu")
+    )
     assert isinstance(backend, CpuBackend)
-    assert choose_backend("auto", torch.device("cpu"), torch.bfloat16) == backend.name == "cpu"
+    assert backend_choice("auto", torch.device("cpu"), torch.bfloat16)[0] == backend.name == "cpu"
     assert backend.store_kv is cpu_kernels.store_kv
     # The decode kernel with the plan's loops bound (the default: the widest the build has).
     assert backend.decode_kernel.func is cpu_kernels.paged_decode_attention

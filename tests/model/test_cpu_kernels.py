@@ -7,7 +7,7 @@ import torch
 from paged_cases import LENS, NUM_BLOCKS, check_decode, make_case
 
 from cbgen import LLM, SamplingParams
-from cbgen.model.backends import choose_backend, select_backend
+from cbgen.model.backends import backend_choice, make_backend
 from cbgen.model.kernels.cpu import amx as cpu_amx
 from cbgen.model.kernels.cpu import ops as cpu_kernels
 from cbgen.model.kernels.reference import paged_ops
@@ -125,7 +125,7 @@ def test_decode_float16_takes_the_reference_through_the_plan() -> None:
     """float16 is not the C kernel's: the backend choice gives it the torch reference (whose decode
     is the reference's, bit for bit), and the C entry point refuses it instead of rerouting it."""
     query, k_cache, v_cache, _, clean, seq_lens = make_case(5, [3, 9], 4, 2, 16, 8, torch.float16)
-    backend = select_backend("auto", torch.device("cpu"), torch.float16)
+    backend = make_backend(backend_choice("auto", torch.device("cpu"), torch.float16)[0], torch.device("cpu"))
     out = backend.decode_kernel(query, k_cache, v_cache, clean, seq_lens, 0.25)
     expected = paged_ops.paged_decode_attention(query, k_cache, v_cache, clean, seq_lens, 0.25)
     assert backend.name == "torch" and torch.equal(out, expected)
@@ -155,12 +155,12 @@ def test_store_kv_matches_reference(dtype: torch.dtype) -> None:
 
 def test_backend_choice() -> None:
     cpu = torch.device("cpu")
-    assert choose_backend("auto", cpu, torch.float32) == "cpu"
-    assert choose_backend("auto", cpu, torch.bfloat16) == "cpu"
-    assert choose_backend("auto", cpu, torch.float16) == "torch"
-    assert choose_backend("torch", cpu, torch.float32) == "torch"
+    assert backend_choice("auto", cpu, torch.float32)[0] == "cpu"
+    assert backend_choice("auto", cpu, torch.bfloat16)[0] == "cpu"
+    assert backend_choice("auto", cpu, torch.float16)[0] == "torch"
+    assert backend_choice("torch", cpu, torch.float32)[0] == "torch"
     with pytest.raises(ValueError, match="float32/bfloat16"):
-        choose_backend("cpu", cpu, torch.float16)
+        backend_choice("cpu", cpu, torch.float16)
 
 
 def _no_compiler(monkeypatch, tmp_path) -> None:
@@ -176,7 +176,7 @@ def test_failed_build_falls_back(monkeypatch, tmp_path) -> None:
     monkeypatch.delenv("CBGEN_REQUIRE_KERNELS", raising=False)
     assert not cpu_kernels.available()
     assert "no-such-compiler" in cpu_kernels.unavailable_reason()
-    assert choose_backend("auto", torch.device("cpu"), torch.float32) == "torch"
+    assert backend_choice("auto", torch.device("cpu"), torch.float32)[0] == "torch"
 
 
 def test_failed_build_is_an_error_when_kernels_are_required(monkeypatch, tmp_path) -> None:
@@ -188,7 +188,7 @@ def test_failed_build_is_an_error_when_kernels_are_required(monkeypatch, tmp_pat
         with pytest.raises(cpu_kernels.KernelsRequiredError, match=r"did not build: .*no-such-compiler"):
             cpu_kernels.available()
     with pytest.raises(cpu_kernels.KernelsRequiredError):
-        choose_backend("auto", torch.device("cpu"), torch.float32)
+        backend_choice("auto", torch.device("cpu"), torch.float32)
 
 
 @pytest.mark.parametrize("arch", ["llama", "gemma2"])

@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cbgen.model.kernels.cpu import parity as cpu_parity
-from cbgen.model.kernels.cpu.parity import parity_attention, parity_linear, parity_pack
+from cbgen.batch_invariant.kernels import cpu_parity
+from cbgen.batch_invariant.kernels.cpu_parity import parity_attention, parity_linear, parity_pack
 
 pytestmark = pytest.mark.native("avx2")
 

@@ -17,8 +17,8 @@ from hypothesis import strategies as st
 
 from cbgen.batch_invariant import direct_forward
 from cbgen.batch_invariant.direct_forward import _c_silu, _silu_mul
+from cbgen.batch_invariant.kernels import cpu_parity_rows as rows
 from cbgen.batch_invariant.lanes import LANE_MULTIPLE, lanewise, lanewise_
-from cbgen.model.kernels.cpu import parity_rows as rows
 
 pytestmark = pytest.mark.native("c")
 

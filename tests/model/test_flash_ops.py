@@ -28,7 +28,7 @@ from paged_cases import (
     step_reference,
 )
 
-from cbgen.model.backends import choose_backend
+from cbgen.model.backends import backend_choice
 from cbgen.model.kernels.flash import ops as flash_ops
 from cbgen.model.kernels.reference import paged_ops, varlen
 
@@ -194,18 +194,18 @@ def test_explicit_flash_without_flash_attn_raises() -> None:
         pytest.skip("a flash_attn module is importable here")
     for device in (torch.device("cpu"), torch.device("cuda")):
         with pytest.raises(ValueError, match=r"flash_attn.*not usable"):
-            choose_backend("flash_attn", device, torch.bfloat16, block_size=256, head_dim=128)
+            backend_choice("flash_attn", device, torch.bfloat16, block_size=256, head_dim=128)
 
 
 def test_auto_on_cpu_is_unchanged(fake_flash) -> None:
     cpu = torch.device("cpu")
-    before = choose_backend("auto", cpu, torch.bfloat16)
+    before = backend_choice("auto", cpu, torch.bfloat16)[0]
     fake_flash()
     assert before in ("cpu", "torch")
-    assert choose_backend("auto", cpu, torch.bfloat16, block_size=256, head_dim=64) == before
-    assert choose_backend("auto", cpu, torch.float16) == "torch"
+    assert backend_choice("auto", cpu, torch.bfloat16, block_size=256, head_dim=64)[0] == before
+    assert backend_choice("auto", cpu, torch.float16)[0] == "torch"
     with pytest.raises(ValueError, match="CUDA device"):
-        choose_backend("flash_attn", cpu, torch.bfloat16, block_size=256, head_dim=64)
+        backend_choice("flash_attn", cpu, torch.bfloat16, block_size=256, head_dim=64)
 
 
 def test_choice_on_cuda(fake_flash, monkeypatch) -> None:
@@ -218,42 +218,42 @@ def test_choice_on_cuda(fake_flash, monkeypatch) -> None:
     monkeypatch.setattr(triton_ops, "HAS_TRITON", True)
     cuda, bf16 = torch.device("cuda"), torch.bfloat16
 
-    assert choose_backend("auto", cuda, bf16, block_size=256, head_dim=128) == "flash_attn"
-    assert choose_backend("auto", cuda, torch.float16, block_size=512, head_dim=64) == "flash_attn"
+    assert backend_choice("auto", cuda, bf16, block_size=256, head_dim=128)[0] == "flash_attn"
+    assert backend_choice("auto", cuda, torch.float16, block_size=512, head_dim=64)[0] == "flash_attn"
     # Anything unsuitable falls back to triton.
-    assert choose_backend("auto", cuda, bf16, block_size=16, head_dim=128) == "triton"
-    assert choose_backend("auto", cuda, torch.float32, block_size=256, head_dim=128) == "triton"
-    assert choose_backend("auto", cuda, bf16, block_size=256, head_dim=512) == "triton"
-    assert choose_backend("auto", cuda, bf16, block_size=256, head_dim=100) == "triton"
-    assert choose_backend("auto", cuda, bf16) == "triton"  # sizes unknown: not considered
+    assert backend_choice("auto", cuda, bf16, block_size=16, head_dim=128)[0] == "triton"
+    assert backend_choice("auto", cuda, torch.float32, block_size=256, head_dim=128)[0] == "triton"
+    assert backend_choice("auto", cuda, bf16, block_size=256, head_dim=512)[0] == "triton"
+    assert backend_choice("auto", cuda, bf16, block_size=256, head_dim=100)[0] == "triton"
+    assert backend_choice("auto", cuda, bf16)[0] == "triton"  # sizes unknown: not considered
     monkeypatch.setattr(triton_ops, "HAS_TRITON", False)
-    assert choose_backend("auto", cuda, bf16, block_size=16, head_dim=128) == "torch"
+    assert backend_choice("auto", cuda, bf16, block_size=16, head_dim=128)[0] == "torch"
     monkeypatch.setattr(triton_ops, "HAS_TRITON", True)
 
-    assert choose_backend("flash_attn", cuda, bf16, block_size=256, head_dim=128) == "flash_attn"
-    assert choose_backend("flash_attn", cuda, bf16) == "flash_attn"  # the runner checks the cache
+    assert backend_choice("flash_attn", cuda, bf16, block_size=256, head_dim=128)[0] == "flash_attn"
+    assert backend_choice("flash_attn", cuda, bf16)[0] == "flash_attn"  # the runner checks the cache
     with pytest.raises(ValueError, match=r"multiple of 256.*16"):
-        choose_backend("flash_attn", cuda, bf16, block_size=16, head_dim=128)
+        backend_choice("flash_attn", cuda, bf16, block_size=16, head_dim=128)
     with pytest.raises(ValueError, match="float16 or bfloat16"):
-        choose_backend("flash_attn", cuda, torch.float32, block_size=256)
+        backend_choice("flash_attn", cuda, torch.float32, block_size=256)
     with pytest.raises(ValueError, match="head_dim"):
-        choose_backend("flash_attn", cuda, bf16, block_size=256, head_dim=320)
+        backend_choice("flash_attn", cuda, bf16, block_size=256, head_dim=320)
 
     monkeypatch.setattr(flash_ops, "_compute_capability", lambda device: (7, 5))
     with pytest.raises(ValueError, match="sm80"):
-        choose_backend("flash_attn", cuda, bf16, block_size=256, head_dim=128)
-    assert choose_backend("auto", cuda, bf16, block_size=256, head_dim=128) == "triton"
+        backend_choice("flash_attn", cuda, bf16, block_size=256, head_dim=128)
+    assert backend_choice("auto", cuda, bf16, block_size=256, head_dim=128)[0] == "triton"
     monkeypatch.setattr(flash_ops, "_compute_capability", lambda device: (8, 0))
 
     # A flash-attn whose paged decode syncs with the host: never picked by auto (graphs would break).
     fake_flash(version="2.8.4")
     monkeypatch.setattr(flash_ops, "_compute_capability", lambda device: (8, 0))
-    assert choose_backend("auto", cuda, bf16, block_size=256, head_dim=128) == "triton"
-    assert choose_backend("flash_attn", cuda, bf16, block_size=256, head_dim=128) == "flash_attn"
+    assert backend_choice("auto", cuda, bf16, block_size=256, head_dim=128)[0] == "triton"
+    assert backend_choice("flash_attn", cuda, bf16, block_size=256, head_dim=128)[0] == "flash_attn"
 
 
 def test_runner_checks_cache_geometry(fake_flash, monkeypatch) -> None:
-    """An explicit request whose sizes choose_backend did not see is checked against the KV cache."""
+    """An explicit request whose sizes backend_choice did not see is checked against the KV cache."""
     from cbgen import LLM
     from tiny_models import make_model
 

@@ -1,4 +1,4 @@
-"""Parity mode's Triton kernels (:mod:`cbgen.model.kernels.triton.parity`) on CPU through Triton's
+"""Parity mode's Triton kernels (:mod:`cbgen.batch_invariant.kernels.triton_parity`) on CPU through Triton's
 interpreter: close to float64 references, and each output row the same bits whatever shares its
 call (the property parity mode rests on).
 
@@ -17,12 +17,12 @@ import re
 import pytest
 import torch
 
-from cbgen.model.kernels.triton import ops as triton_ops
-from cbgen.model.kernels.triton.parity import (
+from cbgen.batch_invariant.kernels.triton_parity import (
     triton_parity_attention,
     triton_parity_available,
     triton_parity_linear,
 )
+from cbgen.model.kernels.triton import ops as triton_ops
 from extras import require_extra
 
 require_extra("triton")
@@ -305,7 +305,7 @@ def test_attention_padding_and_empty() -> None:
 def test_attention_matches_the_cpu_parity_kernel(dtype: torch.dtype) -> None:
     """Same contract as the C parity attention (seq_start offsets, window, soft cap, GQA): the two
     agree to float32 accuracy (they are different devices' kernels, not the same bits)."""
-    from cbgen.model.kernels.cpu.parity import parity_attention
+    from cbgen.batch_invariant.kernels.cpu_parity import parity_attention
 
     seqs = _keys(dtype, 2, 16, seed=50)
     paged = _paged(seqs, 8, STARTS, seed=51)

@@ -14,7 +14,12 @@ packed weights), :mod:`~cbgen.batch_invariant.trainer_attention` (the trainer si
 registered with transformers), :mod:`~cbgen.batch_invariant.context` (the trainer context),
 :mod:`~cbgen.batch_invariant.logprobs` (the log-softmaxes both sides use) and
 :mod:`~cbgen.batch_invariant.behaviour` (processed logprobs from the kept-set record,
-``cbgen.processed_logprobs``).
+``cbgen.processed_logprobs``); :mod:`~cbgen.batch_invariant.kernels` holds the bindings of the
+parity kernels themselves (C and Triton).
+
+This package sits between two parts of ``cbgen.model``: it uses the kernels, attention and
+per-thread views below it, and the plan, the runner, the backends and the start-up checks above it
+choose and run it.  Nothing in ``model.kernels`` imports it (``tests/test_layering.py``).
 """
 
 from cbgen.batch_invariant.behaviour import processed_logprobs

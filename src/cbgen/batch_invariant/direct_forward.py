@@ -7,24 +7,25 @@ most of that step is not arithmetic: ~60 aten ops per decoder layer each pass th
 dispatch mode, plus transformers' module calls (measured on SmolLM2, 32 decode rows, Zen 4: about
 half of the step).  This forward issues the ops that reach the same kernels directly:
 
-* every projection through :func:`cbgen.model.kernels.cpu.parity.parity_linear_packed`, the
-  kernel the mode routes ``linear`` to; q/k/v and gate/up as one product each, from one pack of
+* every projection through :func:`cbgen.batch_invariant.kernels.cpu_parity.parity_linear_packed`,
+  the kernel the mode routes ``linear`` to; q/k/v and gate/up as one product each, from one pack of
   the concatenated weights (each output element's chain reads only its own weight column, so the
   concatenation changes no bit);
 * SwiGLU's ``silu(gate) * up`` as one C call that evaluates SiLU with torch's own vector exp
-  (:func:`cbgen.model.kernels.cpu.parity_rows.silu_mul`; used only where a check on every bfloat16
-  value and on float32 values over many scales finds torch's bits, otherwise torch's SiLU through
-  the mode's whole-vector form, :mod:`cbgen.batch_invariant.lanes`); the rotary module's
+  (:func:`cbgen.batch_invariant.kernels.cpu_parity_rows.silu_mul`; used only where a check on every
+  bfloat16 value and on float32 values over many scales finds torch's bits, otherwise torch's SiLU
+  through the mode's whole-vector form, :mod:`cbgen.batch_invariant.lanes`); the rotary module's
   ``cos``/``sin`` run under the mode, once per step;
 * attention through the same paged attention function and parity backend;
 * RMSNorm, the rotary products and the residual adds as transformers' modules write them, in the
   same dtypes: the elementwise chains as one exact C call each
-  (:mod:`cbgen.model.kernels.cpu.parity_rows`), RMSNorm's mean as torch's own last-dimension
-  reduction over rows of the same length.
+  (:mod:`cbgen.batch_invariant.kernels.cpu_parity_rows`), RMSNorm's mean as torch's own
+  last-dimension reduction over rows of the same length.
 
 So its logits equal the module forward's bit for bit, hence the trainer side's.  That is checked,
-not assumed: at engine start :func:`self_check` runs two probe steps both ways and the runner falls
-back to the module forward if any bit differs (a transformers release that changes the math).
+not assumed: at engine start :func:`cbgen.model.support.check_direct_forward` runs two probe steps
+both ways and the runner falls back to the module forward if any bit differs (a transformers release
+that changes the math).
 Which models qualify is :func:`cbgen.model.cpu_fast.qualify.unsupported_reason`'s answer, the
 fused path's; the runner re-plans when the model's structure changes (an adapter injected).
 """
@@ -37,12 +38,19 @@ import torch
 from torch import nn
 
 from cbgen.batch_invariant.dispatch import ParityOps
+from cbgen.batch_invariant.kernels.cpu_parity import parity_linear_packed, parity_pack
+from cbgen.batch_invariant.kernels.cpu_parity_rows import (
+    add_square,
+    mul,
+    norm_apply,
+    rope,
+    silu_mul,
+    torch_vector_exp,
+)
 from cbgen.batch_invariant.lanes import lanewise, lanewise_
 from cbgen.batch_invariant.packs import WeightPacks
 from cbgen.model.attention import AttentionMetadata, paged_attention_forward
 from cbgen.model.cpu_fast.fused_forward import LayerModules, ModelModules
-from cbgen.model.kernels.cpu.parity import parity_linear_packed, parity_pack
-from cbgen.model.kernels.cpu.parity_rows import add_square, mul, norm_apply, rope, silu_mul, torch_vector_exp
 
 _SILU = torch.ops.aten.silu.default
 _SILU_ = torch.ops.aten.silu_.default
@@ -211,22 +219,3 @@ class ParityDirectForward:
         x = _norm(hidden.index_select(0, rows), sq.index_select(0, rows), mods.next_norms[-1])
         head = mods.lm_head.weight
         return parity_linear_packed(x, self.packs.get(head), head.shape[0])
-
-
-def self_check(engine) -> bool | None:
-    """Whether the engine's direct forward gives the module forward's logits bit for bit on the
-    start-up probe's two steps (:func:`cbgen.model.support.paged_probe_logits`); None when the
-    cache is too small for them.  Called at engine start when the plan chose the direct forward;
-    the runner runs the module forward unless it passed."""
-    from cbgen.model.support import paged_probe_logits
-
-    runner = engine.runner
-    direct = paged_probe_logits(engine)
-    if direct is None:
-        return None
-    saved, runner.direct = runner.direct, None
-    try:
-        module = paged_probe_logits(engine)
-    finally:
-        runner.direct = saved
-    return all(torch.equal(a, b) for a, b in zip(direct, module))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from cbgen.model.kernels.cpu.parity import parity_kernels_available, parity_token_logprobs
+from cbgen.batch_invariant.kernels.cpu_parity import parity_kernels_available, parity_token_logprobs
 
 
 class _CpuTokenLogprobs(torch.autograd.Function):

@@ -2,10 +2,10 @@
 sides make the same way, so the engine and ``cbgen.parity(model)`` always run the same code.
 
 * ``c``: on the CPU, for float32 and bfloat16, with the C kernels built and a CPU with AVX2 + FMA:
-  the panel GEMM and ``csrc/cpu_parity.c``'s attention (:mod:`cbgen.model.kernels.cpu.parity`),
+  the panel GEMM and ``csrc/cpu_parity.c``'s attention (:mod:`cbgen.batch_invariant.kernels.cpu_parity`),
   each output element in one fixed order, about as fast as the default mode's kernels.
 * ``triton``: on CUDA with Triton, float32 / bfloat16 / float16: the kernels of
-  :mod:`cbgen.model.kernels.triton.parity`, fixed tiles and no split reductions.
+  :mod:`cbgen.batch_invariant.kernels.triton_parity`, fixed tiles and no split reductions.
 * ``torch``: anywhere else (no C compiler, no Triton, other dtypes): row tiles of one shape
   (:mod:`cbgen.batch_invariant.tiled_matmul`) and the blocked attention core
   (:mod:`cbgen.batch_invariant.attention_core`), also fixed-order but several times slower.
@@ -20,8 +20,8 @@ from __future__ import annotations
 import torch
 
 from cbgen import envs
-from cbgen.model.kernels.cpu.parity import gemm_name, parity_kernels_available
-from cbgen.model.kernels.triton.parity import triton_parity_available
+from cbgen.batch_invariant.kernels.cpu_parity import gemm_name, parity_kernels_available
+from cbgen.batch_invariant.kernels.triton_parity import triton_parity_available
 
 
 def parity_form(device: torch.device, dtype: torch.dtype) -> str:

@@ -1,8 +1,8 @@
 """The engine's packed copies of a model's weights for parity mode's GEMMs.
 
 Parity mode's matrix products read their weight packed
-(:func:`cbgen.model.kernels.cpu.parity.parity_pack`: panels of 16 columns for the float32 panel GEMM,
-or of 32 columns by k pairs for the bfloat16 pair GEMM).  The trainer side packs each weight as it is
+(:func:`cbgen.batch_invariant.kernels.cpu_parity.parity_pack`: panels of 16 columns for the float32
+panel GEMM, or of 32 columns by k pairs for the bfloat16 pair GEMM).  The trainer side packs each weight as it is
 used (a copy per call, small next to a training forward over thousands of rows, and no second copy of
 the model held).  The engine reuses the same weights for every step, so it keeps one packed copy per
 weight here, made on first use and dropped whenever the engine sees the weights change.  Packing only
@@ -16,11 +16,12 @@ from __future__ import annotations
 
 import torch
 
-from cbgen.model.kernels.cpu.parity import parity_pack
+from cbgen.batch_invariant.kernels.cpu_parity import parity_pack
 
 
 class WeightPacks:
-    """``model``'s 2-D floating-point parameters packed for :func:`cbgen.model.kernels.cpu.parity.parity_linear`, by storage address."""
+    """``model``'s 2-D floating-point parameters packed for
+    :func:`cbgen.batch_invariant.kernels.cpu_parity.parity_linear`, by storage address."""
 
     def __init__(self, model: torch.nn.Module) -> None:
         self.model = model

@@ -15,9 +15,9 @@ from collections.abc import Callable
 import torch
 
 from cbgen.batch_invariant.attention_core import blocked_attention
+from cbgen.batch_invariant.kernels.cpu_parity import parity_attention
+from cbgen.batch_invariant.kernels.triton_parity import triton_parity_attention
 from cbgen.batch_invariant.native import parity_form
-from cbgen.model.kernels.cpu.parity import parity_attention
-from cbgen.model.kernels.triton.parity import triton_parity_attention
 
 # A group of chunks may cost at most this much more than its chunks alone (padded rows and keys).
 _PADDING_SLACK = 1.5

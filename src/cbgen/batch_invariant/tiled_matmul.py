@@ -1,7 +1,7 @@
 """Matrix products whose every output row is reduced over K in one order, whatever the row count.
 
 Where :func:`cbgen.batch_invariant.native.parity_form` says so, a parity kernel computes them: on the
-CPU :func:`cbgen.model.kernels.cpu.parity.parity_linear` (each element one fixed chain over K,
+CPU :func:`cbgen.batch_invariant.kernels.cpu_parity.parity_linear` (each element one fixed chain over K,
 whatever the row count; the engine passes its packed weights, :mod:`cbgen.batch_invariant.packs`), on
 CUDA the Triton one.  Elsewhere torch's GEMM is made to behave: a BLAS picks its kernel, its blocking
 and sometimes a split of K by the shape of the call, so a row's result depends on how many rows share
@@ -18,10 +18,10 @@ from collections.abc import Callable
 
 import torch
 
+from cbgen.batch_invariant.kernels.cpu_parity import parity_linear
+from cbgen.batch_invariant.kernels.triton_parity import triton_parity_linear
 from cbgen.batch_invariant.native import parity_form
 from cbgen.batch_invariant.packs import WeightPacks
-from cbgen.model.kernels.cpu.parity import parity_linear
-from cbgen.model.kernels.triton.parity import triton_parity_linear
 
 TILE = 32
 # Allocations are 64-byte aligned; a tile of 32 rows starts on that boundary for any K in fp32/bf16.

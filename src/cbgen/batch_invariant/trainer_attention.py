@@ -25,9 +25,9 @@ from transformers import AttentionInterface
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
 from cbgen.batch_invariant.attention_core import blocked_attention
+from cbgen.batch_invariant.kernels.cpu_parity import parity_attention
+from cbgen.batch_invariant.kernels.triton_parity import triton_parity_attention
 from cbgen.batch_invariant.native import parity_form
-from cbgen.model.kernels.cpu.parity import parity_attention
-from cbgen.model.kernels.triton.parity import triton_parity_attention
 
 ATTN_NAME = "cbgen_parity"
 

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from cbgen.distributed.topology import topology_of
+from cbgen.topology import topology_of
 
 
 @dataclass(frozen=True)

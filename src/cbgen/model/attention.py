@@ -118,7 +118,7 @@ class AttentionBackend:
 
     :func:`paged_attention_forward` calls it once per layer through ``meta.backend``.  The defaults
     are the torch reference of :mod:`cbgen.model.kernels.reference.paged_ops`; :mod:`cbgen.model.backends` holds one
-    subclass per device path and :func:`cbgen.model.backends.select_backend`.  It lives here, next to
+    subclass per device path and :func:`cbgen.model.backends.backend_choice`.  It lives here, next to
     the metadata that carries it, because each refers to the other.
 
     ``store_kv`` and ``decode_kernel`` are plain function attributes rather than methods: the

@@ -15,8 +15,9 @@
 Each holds its KV store and decode kernels, its prefill path (one call per layer for every chunk of
 a step: the torch SDPA strategies of :class:`cbgen.model.attention.AttentionBackend`, the C decode
 kernel's rows for short chunks on the CPU, the Triton varlen kernel, flash-attn's varlen function),
-its geometry checks and what fixed-shape decode and CUDA graphs it allows.  :func:`select_backend` resolves the
-``attention_backend`` setting.  The Triton and flash-attn modules are imported only when their
+its geometry checks and what fixed-shape decode and CUDA graphs it allows.  :func:`backend_choice`
+resolves the ``attention_backend`` setting to a name (the plan calls it) and :func:`make_backend`
+builds that backend.  The Triton and flash-attn modules are imported only when their
 backend is considered: importing them probes (and may initialise) their packages.
 """
 
@@ -41,9 +42,7 @@ __all__ = [
     "TorchBackend",
     "TritonBackend",
     "backend_choice",
-    "choose_backend",
     "make_backend",
-    "select_backend",
 ]
 
 
@@ -530,31 +529,6 @@ def make_backend(
     if name == "parity":
         return ParityBackend()
     raise ValueError(f"unknown attention backend {name!r}")
-
-
-def select_backend(
-    requested: str,
-    device: torch.device,
-    dtype: torch.dtype = torch.float32,
-    *,
-    block_size: int | None = None,
-    head_dim: int | None = None,
-) -> AttentionBackend:
-    """The backend object for the ``attention_backend`` setting ``requested`` (see :func:`backend_choice`)."""
-    name, _ = backend_choice(requested, device, dtype, block_size=block_size, head_dim=head_dim)
-    return make_backend(name, device)
-
-
-def choose_backend(
-    requested: str,
-    device: torch.device,
-    dtype: torch.dtype = torch.float32,
-    *,
-    block_size: int | None = None,
-    head_dim: int | None = None,
-) -> str:
-    """The name of the backend :func:`select_backend` picks (same arguments, same errors)."""
-    return backend_choice(requested, device, dtype, block_size=block_size, head_dim=head_dim)[0]
 
 
 def _cpu_reason() -> str:

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from cbgen.distributed.topology import local_kv_heads
+from cbgen.topology import local_kv_heads
 from cbgen.utils import advise_huge_pages
 
 logger = logging.getLogger("cbgen")

@@ -119,7 +119,7 @@ class ModelRunner:
             )
         self._watch = StructureWatch(model) if plan.watch_structure else None
         # The parity plan's direct forward runs only once the engine's start-up check passed
-        # (cbgen.batch_invariant.direct_forward.self_check): None until then, then its verdict.
+        # (cbgen.model.support.check_direct_forward): None until then, then its verdict.
         self.direct_checked: bool | None = None
         self._follow(plan, initial=True)
         if self.fused is not None:

@@ -20,15 +20,23 @@ Two checks, both at engine start:
   computed from the row instead of ``position_ids``, an attention module that bypasses the
   interface, an attention kwarg the paged kernels do not implement) shows up as a mismatch there,
   and the first decoder layer whose output differs is named in the refusal.
+
+The dynamic checks, :func:`probe` and the parity plan's :func:`check_direct_forward`, see the engine
+only through a :class:`cbgen.model.startup.StartupTarget` (the runner, its KV cache and a few facts
+about the model), which the engine builds and passes in.
 """
 
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import torch
 
 from cbgen.model import thread_view
+
+if TYPE_CHECKING:
+    from cbgen.model.startup import StartupTarget
 
 # Per-layer kinds the paged cache holds exactly.  Chunked attention (Llama 4) is local attention
 # in fixed chunks: exact while a sequence fits in one chunk, which length_limit() enforces.
@@ -199,20 +207,20 @@ class _LayerTaps:
             handle.remove()
 
 
-def probe(engine) -> None:
+def probe(target: StartupTarget) -> None:
     """Runs the engine's forward on two short sequences as steps run them (packed together, split
     into chunks, continued by a decode row) and compares every position's logits with the model's
     plain forward of each sequence alone; raises :class:`UnsupportedModelError` naming the first
     decoder layer whose output differs (see the module docstring)."""
-    setup = _probe_setup(engine)
+    setup = _probe_setup(target)
     if setup is None:
         return
     builder, need = setup
-    model = engine.model
-    tokens = _probe_tokens(engine.vocab_size)
-    tol = _tolerance(engine.dtype)
-    paged, _ = _paged_logits(engine, builder, tokens, need, layers=None)
-    plain, _ = _plain_logits(model, tokens, engine.device, layers=None)
+    model = target.model
+    tokens = _probe_tokens(target.vocab_size)
+    tol = _tolerance(target.dtype)
+    paged, _ = _paged_logits(target, builder, tokens, need, layers=None)
+    plain, _ = _plain_logits(model, tokens, target.device, layers=None)
     off = _positions_off(paged, plain, tol)
     if off:
         # A near-tied discrete choice inside the model (an MoE router's top-k, in bf16 most of all)
@@ -220,10 +228,10 @@ def probe(engine) -> None:
         # far more than rounding, though both are right.  A structural difference shows at the same
         # positions (sequence starts, chunk boundaries, the decode row) whatever the tokens, so a
         # second token set must fail at one of the same positions too.
-        other = _probe_tokens(engine.vocab_size, salt=1)
+        other = _probe_tokens(target.vocab_size, salt=1)
         off &= _positions_off(
-            _paged_logits(engine, builder, other, need, layers=None)[0],
-            _plain_logits(model, other, engine.device, layers=None)[0],
+            _paged_logits(target, builder, other, need, layers=None)[0],
+            _plain_logits(model, other, target.device, layers=None)[0],
             tol,
         )
     if not off:
@@ -232,9 +240,9 @@ def probe(engine) -> None:
     # Run both again with every decoder layer's output recorded, to name where they part.  (Not on
     # the first run: hooks change the model's structure, which makes the runner re-plan.)
     layers = _decoder_layers(model)
-    _, paged_layers = _paged_logits(engine, builder, tokens, need, layers)
-    _, plain_layers = _plain_logits(model, tokens, engine.device, layers)
-    where = _first_divergent_layer(layers, paged_layers, plain_layers, engine.dtype)
+    _, paged_layers = _paged_logits(target, builder, tokens, need, layers)
+    _, plain_layers = _plain_logits(model, tokens, target.device, layers)
+    where = _first_divergent_layer(layers, paged_layers, plain_layers, target.dtype)
     raise UnsupportedModelError(
         f"{type(model).__name__} gives different logits under cbgen's packed, paged forward than its "
         f"own forward (relative error {err:.2g}{where}): a part of it mixes tokens outside "
@@ -244,39 +252,57 @@ def probe(engine) -> None:
     )
 
 
-def _probe_setup(engine):
+def _probe_setup(target: StartupTarget):
     """(input builder, blocks needed) for the probe's steps, with the cache allocated; None when
     the cache or the length limit is too small for them."""
     from cbgen.model.input_batch import InputBuilder
 
-    bs = engine.kv_cache.block_size
+    bs = target.kv_cache.block_size
     need = -(-(_A_LEN + 1) // bs) + -(-_B_LEN // bs)
-    if engine.kv_cache.num_blocks < need or engine.max_model_len < _B_LEN:
+    if target.kv_cache.num_blocks < need or target.max_model_len < _B_LEN:
         return None
     # Row prefill (short chunks as decode rows) is part of what runs, so the probe builds like the engine.
     builder = InputBuilder(
         bs,
-        engine.device,
-        row_prefill_max=engine.plan.row_prefill_max,
+        target.device,
+        row_prefill_max=target.plan.row_prefill_max,
         num_blocks=need,
-        rope_extents=engine.length_rotary is not None,
+        rope_extents=target.rope_extents,
     )
-    engine.kv_cache.allocate()
+    target.kv_cache.allocate()
     return builder, need
 
 
-def paged_probe_logits(engine) -> tuple[torch.Tensor, torch.Tensor] | None:
+def paged_probe_logits(target: StartupTarget) -> tuple[torch.Tensor, torch.Tensor] | None:
     """The logits of the probe's two sequences at every position as the engine's forward computes
     them in the probe's two steps (see :func:`probe`), or None when the cache is too small for them."""
-    setup = _probe_setup(engine)
+    setup = _probe_setup(target)
     if setup is None:
         return None
     builder, need = setup
-    return _paged_logits(engine, builder, _probe_tokens(engine.vocab_size), need, layers=None)[0]
+    return _paged_logits(target, builder, _probe_tokens(target.vocab_size), need, layers=None)[0]
+
+
+def check_direct_forward(target: StartupTarget) -> bool | None:
+    """Whether the runner's direct forward (the parity plan's,
+    :mod:`cbgen.batch_invariant.direct_forward`) gives the module forward's logits bit for bit on
+    the start-up probe's two steps (:func:`paged_probe_logits`); None when the cache is too small
+    for them.  Called at engine start when the plan chose the direct forward; the runner runs the
+    module forward unless it passed."""
+    runner = target.runner
+    direct = paged_probe_logits(target)
+    if direct is None:
+        return None
+    saved, runner.direct = runner.direct, None
+    try:
+        module = paged_probe_logits(target)
+    finally:
+        runner.direct = saved
+    return all(torch.equal(a, b) for a, b in zip(direct, module))
 
 
 def _paged_logits(
-    engine, builder, tokens, need: int, layers
+    target: StartupTarget, builder, tokens, need: int, layers
 ) -> tuple[tuple[torch.Tensor, torch.Tensor], list]:
     """Logits of sequences A and B at every position, as two engine steps compute them: step 1
     packs A's prompt with B's first chunk, step 2 A's decode row with B's second chunk."""
@@ -284,7 +310,7 @@ def _paged_logits(
     from cbgen.sampling_params import SamplingParams
 
     a_tokens, b_tokens = tokens
-    bs = engine.kv_cache.block_size
+    bs = target.kv_cache.block_size
     params = SamplingParams(max_tokens=1)
     a = Request("cbgen-probe-a", a_tokens[:_A_LEN], params)
     b = Request("cbgen-probe-b", b_tokens, params)
@@ -296,12 +322,12 @@ def _paged_logits(
     try:
         with taps:
             for step in steps:
-                batch = builder.build(step, engine.kv_cache.layers)
-                batch.logits_indices = torch.arange(batch.num_tokens, device=engine.device)
+                batch = builder.build(step, target.kv_cache.layers)
+                batch.logits_indices = torch.arange(batch.num_tokens, device=target.device)
                 calls: list[int] = []
                 batch.meta.derived["attention_calls"] = calls
-                got.append(engine.runner.execute(batch).float().cpu())
-                _check_one_call_per_layer(engine.model, calls)
+                got.append(target.runner.execute(batch).float().cpu())
+                _check_one_call_per_layer(target.model, calls)
                 for r, n in step:
                     r.num_computed_tokens += n
                 if step is steps[0]:
@@ -310,11 +336,11 @@ def _paged_logits(
         raise
     except Exception as exc:  # a failing packed forward is a refusal, with its cause
         raise UnsupportedModelError(
-            f"{type(engine.model).__name__} fails under cbgen's packed, paged forward: {_one_line(exc)}"
+            f"{type(target.model).__name__} fails under cbgen's packed, paged forward: {_one_line(exc)}"
         ) from exc
     finally:
         with torch.inference_mode():
-            for layer in engine.kv_cache.layers:
+            for layer in target.kv_cache.layers:
                 for t in layer:
                     t[:need].zero_()
     s1, s2 = got

@@ -185,7 +185,7 @@ int cbgen_parity_mul(const void *a, int64_t as, const void *b, int64_t bs, void 
  * whole vectors (cbgen/batch_invariant/lanes.py), its result rounded to dtype, then the product
  * rounded to dtype.  torch's vectorised SiLU is x / (1 + exp(-x)) in float32 with exp torch's own
  * vector function; the caller passes that very function (exp_fn, found in libtorch and checked
- * against torch.silu before use: cbgen/model/kernels/cpu/parity_rows.py) and its width (16: a
+ * against torch.silu before use: cbgen/batch_invariant/kernels/cpu_parity_rows.py) and its width (16: a
  * __m512 -> __m512 function, 8: __m256 -> __m256).  A row's last partial vector is padded with
  * zeros, so every element goes through the vector function, as lanes.py arranges for torch.
  * gate_up is [rows, 2 inter] (the gate, then up) at row stride gs; out [rows, inter] at out_s.

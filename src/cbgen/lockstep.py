@@ -32,7 +32,7 @@ from typing import Any, Protocol
 
 import torch
 
-from cbgen.distributed.topology import Topology
+from cbgen.topology import Topology
 
 
 @dataclass

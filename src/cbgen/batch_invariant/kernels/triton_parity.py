@@ -1,7 +1,7 @@
 """Parity mode's Triton kernels (the CUDA side of ``LLM(batch_invariant=True)`` and
 ``cbgen.parity(model)``): a matrix product and a paged attention whose every output element is
 reduced in one fixed order, whatever else shares the launch.  They have the contracts of the C
-kernels in :mod:`cbgen.model.kernels.cpu.parity`; the two sides of parity mode call the same
+kernels in :mod:`cbgen.batch_invariant.kernels.cpu_parity`; the two sides of parity mode call the same
 function on one device, so their results are equal bit for bit.
 
 Where the order comes from:
@@ -418,7 +418,7 @@ def triton_parity_attention(
     padding row, output 0); that row's key at position ``j`` is at index ``seq_start[g] + j`` of its
     blocks.  Causal, with an optional sliding window (keys ``j > p - window``; 0 or None: none) and
     soft cap (``c * tanh(s / c)``; 0 or None: none); GQA.  Returns ``[T, H, D]`` of q's dtype.  The
-    contract of :func:`cbgen.model.kernels.cpu.parity.parity_attention`.
+    contract of :func:`cbgen.batch_invariant.kernels.cpu_parity.parity_attention`.
 
     A query's output depends only on its vector, its position and the keys and values at its
     visible positions: one program per (row, kv head) walks blocks of 64 absolute key positions in

@@ -4,7 +4,8 @@ whatever the batch, the tiling, the threads or the origin of the keys (see the C
 ``cbgen.parity(model)``, call these, so their results are equal bit for bit.
 
 The wrappers check shapes, dtypes, strides and devices here, and the C side checks every index
-(rows, positions, blocks) before touching memory.
+(rows, positions, blocks) before touching memory.  The C files are in ``cbgen/model/kernels/cpu/csrc/``,
+built with the other C kernels by :mod:`cbgen.model.kernels.cpu.ops`.
 """
 
 from __future__ import annotations

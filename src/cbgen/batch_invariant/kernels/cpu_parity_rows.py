@@ -3,7 +3,8 @@ module forward runs a chain of torch's elementwise ops, with the same bits (see 
 direct forward (:mod:`cbgen.batch_invariant.direct_forward`) calls them: the plan runs it only where
 the C parity kernels are built.  The torch chains they replace are their reference in the tests.
 
-Each wrapper checks shapes, dtypes and strides before the C side sees a pointer.
+Each wrapper checks shapes, dtypes and strides before the C side sees a pointer.  The C file is in
+``cbgen/model/kernels/cpu/csrc/``, built with the other C kernels by :mod:`cbgen.model.kernels.cpu.ops`.
 """
 
 from __future__ import annotations
