@@ -6,7 +6,8 @@ Run it once per checkout, alternating, with that checkout's `src` first on the p
     for v in /tmp/old .; do PYTHONPATH=$v/src python benchmarks/ab_checkouts.py chat overhead; done
 
 Workloads are named on the command line (default: chat overhead; any of the bench's chat, overhead,
-grpo, mixed), each on its default model.  Each run prints one JSON line: wall seconds and engine
+grpo, mixed), each on its default model; a name ending in ``+parity`` runs it with
+``batch_invariant=True`` (parity mode).  Each run prints one JSON line: wall seconds and engine
 steps of 3 timed runs after a warm-up, each on a fresh engine as in `cbgen bench` (a prefix cache
 left warm by the previous run would flatter the later runs), and for greedy workloads the first
 tokens (the checkouts must agree).  Used for #14's and #17's before/after comparisons.
@@ -25,15 +26,24 @@ from cbgen.llm import LLM
 from cbgen.sampling_params import SamplingParams
 
 
-def engine(model):
-    """An LLM with the bench's settings."""
+def engine(model, parity: bool = False):
+    """An LLM with the bench's settings (``parity``: in parity mode)."""
+    extra = {"batch_invariant": True} if parity else {}
     return LLM(
-        model, None, max_num_batched_tokens=2048, max_num_seqs=256, block_size=16, enable_prefix_caching=True
+        model,
+        None,
+        max_num_batched_tokens=2048,
+        max_num_seqs=256,
+        block_size=16,
+        enable_prefix_caching=True,
+        **extra,
     )
 
 
 def time_workload(name: str) -> dict:
     """Wall seconds, steps and tokens of 3 timed runs of workload ``name`` after a warm-up run."""
+    name, _, mode = name.partition("+")
+    parity = mode == "parity"
     key = DEFAULT_MODELS[name]
     model, tok = load_bench_model(key, "float32", None)
     wl = build_workload(name, tiny=False, model=key, vocab_size=vocab_size_of(model), tokenizer=tok)
@@ -47,10 +57,10 @@ def time_workload(name: str) -> dict:
         )
         for i, m in enumerate(wl.max_tokens)
     ]
-    engine(model).generate(wl.prompts, params, use_tqdm=False)  # warm-up: kernels, GEMM choice
+    engine(model, parity).generate(wl.prompts, params, use_tqdm=False)  # warm-up: kernels, GEMM choice
     walls, steps = [], []
     for _ in range(3):
-        llm = engine(model)
+        llm = engine(model, parity)
         eng = llm.engine
         count = [0]
         real_step = eng.step

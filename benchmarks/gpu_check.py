@@ -399,14 +399,8 @@ def decode_roofline(model, device, batch: int, ctx: int) -> dict:
     step = statistics.median(times)
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     g = engine.kv_cache.geometry
-    itemsize = torch.empty((), dtype=g.dtype).element_size()
     kv_bytes = (
-        sum(r.num_computed_tokens for r in engine.scheduler.running)
-        * 2
-        * g.num_layers
-        * g.num_kv_heads
-        * g.head_dim
-        * itemsize
+        sum(r.num_computed_tokens for r in engine.scheduler.running) * g.bytes_per_block() // g.block_size
     )
     bw = copy_bandwidth(device, 1 << 30 if device.type == "cuda" else 1 << 24)
     del llm

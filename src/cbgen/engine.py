@@ -40,8 +40,9 @@ from cbgen.lockstep import step_sync
 from cbgen.model import support
 from cbgen.model.cpu_threads import ThreadGovernor
 from cbgen.model.input_batch import InputBuilder, ModelInput
-from cbgen.model.kv_cache import KVCache, KVGeometry, choose_num_blocks
+from cbgen.model.kv_cache import KVCache, StateCopy, choose_num_blocks
 from cbgen.model.loading.weights import WeightWatcher
+from cbgen.model.paged_metadata import PagedMetadata
 from cbgen.model.plan import ExecutionPlan, resolve_plan
 from cbgen.model.rotary import length_rotary
 from cbgen.model.runner import ModelRunner
@@ -173,29 +174,28 @@ class Engine:
         self.max_model_len = threshold
 
     def _build_device_side(self, model: torch.nn.Module, config: EngineConfig) -> None:
-        """The KV cache sized for this model and budget, the block manager and scheduler over it,
-        the execution plan (resolved once, logged), the runner that follows it, and the input
-        builder."""
-        try:
-            geometry = KVGeometry.from_model(model, self.dtype)
-        except Exception as exc:  # whatever the config raises, the model is refused with it
-            raise support.geometry_error(model, exc) from exc
+        """In order: the execution plan (resolved once, logged) with the model's cache layout, the
+        block count for this budget, the cache and its block pools, the scheduler over them, the
+        runner that follows the plan, and the input builder with the backend's metadata deriver."""
+        plan = resolve_plan(model, config, self.device, self.dtype)
+        logger.info("cbgen: execution plan: %s", plan)
+        layout = plan.cache
         num_blocks = choose_num_blocks(
-            geometry,
-            config.block_size,
+            layout,
             self.device,
             config.num_blocks,
             config.kv_cache_memory,
             config.kv_cache_memory_fraction,
             max_useful_tokens=config.max_num_seqs * self.max_model_len + config.max_num_batched_tokens,
         )
-        self.kv_cache = KVCache(geometry, num_blocks, config.block_size, self.device)
+        self.kv_cache = KVCache(layout, num_blocks, self.device)
         self.block_manager = CachePools(
-            [BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)]
+            [
+                BlockManager(num_blocks, g.block_size, config.enable_prefix_caching, group=i)
+                for i, g in enumerate(layout.kv_groups)
+            ]
         )
         self.scheduler = Scheduler(self.block_manager, config.max_num_batched_tokens, config.max_num_seqs)
-        plan = resolve_plan(model, config, self.device, self.dtype, head_dim=geometry.head_dim)
-        logger.info("cbgen: execution plan: %s", plan)
         self.runner = ModelRunner(
             model,
             self.kv_cache,
@@ -228,11 +228,11 @@ class Engine:
             self.runner.direct_check_done(support.check_direct_forward(target))
         # Short prefill chunks as decode-kernel rows: measured on the C kernels only (see input_batch).
         self.input_builder = InputBuilder(
-            config.block_size,
+            [g.block_size for g in layout.kv_groups],
             self.device,
-            row_prefill_max=plan.row_prefill_max,
             num_blocks=num_blocks,
             rope_extents=self.length_rotary is not None,
+            metadata=PagedMetadata(plan.row_prefill_max),
         )
 
     @property
@@ -624,7 +624,11 @@ class Engine:
         self.stats.generated_tokens += update.num_generated
         self._count_ended(update.ended)
         touched = [self.groups[r.group_id] for r in update.touched]
-        return Applied(touched, update.copies, {"update": time.perf_counter() - t})
+        return Applied(
+            touched,
+            [*update.copies, *(StateCopy(*c) for c in update.state_copies)],
+            {"update": time.perf_counter() - t},
+        )
 
     def _count_ended(self, ended: list[Request]) -> None:
         s = self.stats

@@ -190,6 +190,7 @@ class Scheduler:
         to be recomputed."""
         self.block_manager.free(request)
         request.num_computed_tokens = 0
+        request.draft_token_ids.clear()  # proposals for the step after its last token, not a recompute
         request.num_preemptions += 1
         self.stats.preemptions += 1
         self.requeue(request)
@@ -253,10 +254,12 @@ class Scheduler:
     def _with_drafts(request: Request, num_new: int, budget: int) -> int:
         """A decode row's tokens with its drafts after them, as many as ``budget`` leaves room for
         (the drafts it cannot take are dropped); a row mid-prefill keeps them for its last chunk.
-        A row whose last token is still on the device takes none (its input is patched in there)."""
+        A row whose last token is still on the device takes none (its input is patched in there),
+        and so does a row whose last token was computed already: the drafts are scored from the
+        logits of their own step's rows, the first of which is that token's."""
         if num_new != request.num_tokens - request.num_computed_tokens:
             return num_new
-        keep = 0 if request.pending else min(len(request.draft_token_ids), budget - num_new)
+        keep = 0 if request.pending or num_new < 1 else min(len(request.draft_token_ids), budget - num_new)
         del request.draft_token_ids[keep:]
         return num_new + keep
 

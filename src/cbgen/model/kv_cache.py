@@ -1,18 +1,32 @@
-"""Paged KV tensors, one key and one value tensor per layer, sized from an explicit memory budget."""
+"""The cache tensors of a model's cache layout, sized from an explicit memory budget.
+
+Per layer of a ``kv`` group (:mod:`cbgen.model.cache_groups`), one key and one value tensor of
+``num_blocks + 1`` blocks shaped by its group (KV heads, key and value head sizes, block size); every
+``kv`` group has the same number of blocks (one pool each, :class:`cbgen.core.cache_pools.CachePools`).
+Per layer of a ``state`` group, one tensor of ``num_slots + 1`` per-sequence states.  The extra block
+or slot at the end is scratch space that no sequence owns (padding rows of fixed-shape steps).
+"""
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
-from cbgen.topology import local_kv_heads
+from cbgen.model.cache_groups import CacheGroup, CacheLayout
 from cbgen.utils import advise_huge_pages
 
 logger = logging.getLogger("cbgen")
 
 CPU_DEFAULT_CAP = 2 << 30
+
+
+class StateCopy(NamedTuple):
+    """A device-side copy of one sequence's state, slot ``src`` to ``dst`` (copy-on-fork)."""
+
+    src: int
+    dst: int
 
 
 def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -21,33 +35,6 @@ def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> 
     if device.type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
     return advise_huge_pages(torch.empty(shape, dtype=dtype)).zero_()  # zero_ is the first touch
-
-
-@dataclass(frozen=True)
-class KVGeometry:
-    """Shape of the cache that a model needs."""
-
-    num_layers: int
-    num_kv_heads: int
-    head_dim: int
-    dtype: torch.dtype
-
-    @classmethod
-    def from_model(cls, model: torch.nn.Module, dtype: torch.dtype) -> KVGeometry:
-        """Reads layers, KV heads and head size from the model's (text) config (KV heads: this
-        rank's share under tensor parallelism)."""
-        config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-        num_heads = config.num_attention_heads
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
-        num_kv_heads = getattr(config, "num_key_value_heads", None) or num_heads
-        # A tensor-parallel rank's attention sees only its share of the heads: cache that share.
-        num_kv_heads = local_kv_heads(model, num_heads, num_kv_heads, head_dim)
-        return cls(config.num_hidden_layers, num_kv_heads, head_dim, dtype)
-
-    def bytes_per_block(self, block_size: int) -> int:
-        """Bytes of K plus V for one block across all layers."""
-        itemsize = torch.empty((), dtype=self.dtype).element_size()
-        return 2 * self.num_layers * block_size * self.num_kv_heads * self.head_dim * itemsize
 
 
 def available_memory(device: torch.device) -> int:
@@ -66,18 +53,20 @@ def available_memory(device: torch.device) -> int:
 
 
 def choose_num_blocks(
-    geometry: KVGeometry,
-    block_size: int,
+    layout: CacheLayout,
     device: torch.device,
     num_blocks: int | None,
     kv_cache_memory: int | None,
     memory_fraction: float,
     max_useful_tokens: int,
+    num_slots: int = 0,
 ) -> int:
-    """Picks the block count from exactly one budget: ``num_blocks``, else ``kv_cache_memory`` bytes,
-    else a fraction of free memory.  Byte budgets are capped at what the engine could ever use
-    (``max_useful_tokens``), so a tiny model does not reserve gigabytes."""
-    per_block = geometry.bytes_per_block(block_size)
+    """Picks the block count (the same in every kv group) from exactly one budget: ``num_blocks``,
+    else ``kv_cache_memory`` bytes, else a fraction of free memory.  Byte budgets are capped at what
+    the engine could ever use (``max_useful_tokens``), so a tiny model does not reserve gigabytes;
+    the states of ``num_slots`` sequences are taken from the budget first."""
+    groups = layout.kv_groups
+    per_block = sum(g.bytes_per_block() for g in groups)
     if num_blocks is not None:
         source = "num_blocks"
         chosen = num_blocks
@@ -90,50 +79,67 @@ def choose_num_blocks(
             if device.type == "cpu" and budget > CPU_DEFAULT_CAP:
                 # CPU throughput saturates long before RAM does; zeroing gigabytes only costs start-up.
                 budget, source = CPU_DEFAULT_CAP, source + f", capped at {CPU_DEFAULT_CAP >> 30} GiB on CPU"
+        budget -= (num_slots + 1) * layout.bytes_per_slot()
         chosen = budget // per_block
-        cap = -(-max_useful_tokens // block_size)
+        cap = max(-(-max_useful_tokens // g.block_size) for g in groups)
         if chosen > cap:
             chosen, source = cap, source + ", capped at max_num_seqs x max_model_len"
         if chosen < 1:
             raise ValueError(
                 f"KV-cache budget of {budget} bytes is smaller than one block ({per_block} bytes)"
             )
+    first = groups[0]
     logger.info(
-        "KV cache: %d blocks x %d tokens = %d tokens, %.1f MiB (%s; %d layers, %d KV heads, head_dim %d, %s)",
+        "KV cache: %d blocks x %d tokens = %d tokens, %.1f MiB (%s; %s)",
         chosen,
-        block_size,
-        chosen * block_size,
+        first.block_size,
+        chosen * first.block_size,
         chosen * per_block / 2**20,
         source,
-        geometry.num_layers,
-        geometry.num_kv_heads,
-        geometry.head_dim,
-        geometry.dtype,
+        f"{layout.describe()}, {str(first.dtype).removeprefix('torch.')}",
     )
     return chosen
 
 
 class KVCache:
-    """Owns the per-layer cache tensors.  ``release()`` drops every reference so the memory really
-    returns to the allocator; ``allocate()`` creates them again."""
+    """Owns the cache tensors of a layout.  ``release()`` drops every reference so the memory really
+    returns to the allocator; ``allocate()`` creates them again.
 
-    def __init__(self, geometry: KVGeometry, num_blocks: int, block_size: int, device: torch.device) -> None:
-        self.geometry = geometry
+    ``layers[i]``: layer ``i``'s ``(key, value)`` tensors (a KV-sharing reader's are its producer's;
+    None for a layer that keeps a state instead).  ``states[i]``: layer ``i``'s state tensor.
+    """
+
+    def __init__(
+        self, layout: CacheLayout, num_blocks: int, device: torch.device, num_slots: int = 0
+    ) -> None:
+        self.layout = layout
         self.num_blocks = num_blocks
-        self.block_size = block_size
+        self.num_slots = num_slots
         self.device = device
-        self.layers: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.layers: list[tuple[torch.Tensor, torch.Tensor] | None] = []
+        self.states: dict[int, torch.Tensor] = {}
         self.allocate()
 
     @property
+    def block_size(self) -> int:
+        """Block size of the first kv group (the only one of every model today)."""
+        return self.layout.kv_groups[0].block_size
+
+    @property
+    def geometry(self) -> CacheGroup:
+        """The first kv group: its KV heads, head sizes and layers."""
+        return self.layout.kv_groups[0]
+
+    @property
     def scratch_slot(self) -> int:
-        """First slot of the scratch block, which no sequence ever owns."""
+        """First slot of the scratch block of the first kv group, which no sequence ever owns."""
         return self.num_blocks * self.block_size
 
     @property
     def nbytes(self) -> int:
         """Total bytes of the cache tensors."""
-        return (self.num_blocks + 1) * self.geometry.bytes_per_block(self.block_size)
+        per_block = sum(g.bytes_per_block() for g in self.layout.kv_groups)
+        return (self.num_blocks + 1) * per_block + (self.num_slots + 1) * self.layout.bytes_per_slot()
 
     @property
     def allocated(self) -> bool:
@@ -145,27 +151,57 @@ class KVCache:
         mask hides, but uninitialised NaNs would still poison the softmax."""
         if self.layers:
             return
-        g = self.geometry
-        # One extra block at the end is scratch space for padding rows of fixed-shape decode steps.
-        shape = (self.num_blocks + 1, self.block_size, g.num_kv_heads, g.head_dim)
+        num_layers = 1 + max(
+            max(layer for g in self.layout.groups for layer in g.layers),
+            max((reader for reader, _ in self.layout.shared), default=0),
+        )
+        layers: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * num_layers
         with torch.inference_mode():
-            self.layers = [
-                (_zeros(shape, g.dtype, self.device), _zeros(shape, g.dtype, self.device))
-                for _ in range(g.num_layers)
-            ]
+            for g in self.layout.kv_groups:
+                k_shape = (self.num_blocks + 1, g.block_size, g.num_kv_heads, g.k_head_dim)
+                v_shape = (*k_shape[:3], g.v_head_dim)
+                for layer in g.layers:
+                    layers[layer] = (
+                        _zeros(k_shape, g.dtype, self.device),
+                        _zeros(v_shape, g.dtype, self.device),
+                    )
+            for g in self.layout.state_groups:
+                for layer, shape in zip(g.layers, g.state_shapes):
+                    self.states[layer] = _zeros((self.num_slots + 1, *shape), g.dtype, self.device)
+        for reader, producer in self.layout.shared:
+            layers[reader] = layers[producer]
+        self.layers = layers
 
     def release(self) -> None:
         """Drops the tensors."""
         self.layers = []
+        self.states = {}
 
-    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
-        """Copies whole blocks ``src -> dst`` in every layer (copy-on-fork for n > 1 samples, partial
-        prefix hits)."""
-        if not pairs:
+    def copy_blocks(self, copies: list) -> None:
+        """Performs block copies (``BlockCopy(src, dst, group)``, or ``(src, dst)`` pairs of group 0:
+        copy-on-fork for n > 1 samples, partial prefix hits) and state copies (``StateCopy``)."""
+        if not copies:
             return
+        groups = self.layout.kv_groups
+        by_group: dict[int, list[tuple[int, int]]] = {}
+        states: list[tuple[int, int]] = []
+        for c in copies:
+            if isinstance(c, StateCopy):
+                states.append((c.src, c.dst))
+            else:
+                by_group.setdefault(c[2] if len(c) > 2 else 0, []).append((c[0], c[1]))
+        with torch.inference_mode():
+            for group, pairs in by_group.items():
+                src, dst = self._indices(pairs)
+                for layer in groups[group].layers:
+                    for t in self.layers[layer]:
+                        t.index_copy_(0, dst, t.index_select(0, src))
+            if states:
+                src, dst = self._indices(states)
+                for t in self.states.values():
+                    t.index_copy_(0, dst, t.index_select(0, src))
+
+    def _indices(self, pairs: list[tuple[int, int]]) -> tuple[torch.Tensor, torch.Tensor]:
         src = torch.tensor([p[0] for p in pairs], device=self.device)
         dst = torch.tensor([p[1] for p in pairs], device=self.device)
-        with torch.inference_mode():
-            for k, v in self.layers:
-                k.index_copy_(0, dst, k.index_select(0, src))
-                v.index_copy_(0, dst, v.index_select(0, src))
+        return src, dst

@@ -60,10 +60,10 @@ from cbgen.batch_invariant import native as parity_kernels
 from cbgen.config import EngineConfig
 from cbgen.model.attention import AttentionBackend
 from cbgen.model.backends import backend_choice, make_backend
+from cbgen.model.cache_groups import CacheLayout
 from cbgen.model.cpu_fast import decode_loops, fused_forward
 from cbgen.model.cpu_fast.gemm_choice import ROW_CLASSES, GemmPlan
 from cbgen.model.kernels.cpu import ops as cpu_kernels
-from cbgen.model.kv_cache import KVGeometry
 from cbgen.model.rotary import length_rotary
 
 log = logging.getLogger("cbgen")
@@ -119,7 +119,9 @@ class ExecutionPlan:
     watch_structure: bool
     # What the plan was resolved from, so that it can be resolved again (resolve_plan's ``previous``).
     config: EngineConfig = field(repr=False, compare=False)
-    head_dim: int = field(repr=False, compare=False)
+    # The model's cache as groups of layers (one kv group for every model cbgen runs today): what
+    # the engine sizes and allocates its cache, block pools and step batches from.
+    cache: CacheLayout = field(repr=False, compare=False)
     gemm_shapes: tuple[tuple[int, int], ...] = field(default=(), repr=False, compare=False)
     # With the C attention backend: which loops its decode kernel runs (a key of decode_loops.IMPLS).
     decode_loops: str = "widest"
@@ -127,6 +129,11 @@ class ExecutionPlan:
     # Parity mode (``batch_invariant=True``): every forward runs under the parity dispatch mode and
     # the sampler reports raw logprobs through cbgen.batch_invariant.token_logprobs.
     parity: bool = False
+
+    @property
+    def head_dim(self) -> int:
+        """The key head size of the first kv group (what the backends' kernels are chosen for)."""
+        return self.cache.kv_groups[0].k_head_dim
 
     @property
     def compile(self) -> bool:
@@ -192,21 +199,23 @@ def resolve_plan(
     device: torch.device | str,
     dtype: torch.dtype,
     *,
-    head_dim: int | None = None,
+    cache: CacheLayout | None = None,
     previous: ExecutionPlan | None = None,
 ) -> ExecutionPlan:
     """Every choice of code path for ``model`` on ``device``, with a KV cache of ``dtype``, under
     ``config`` (see the module docstring).  Raises ``ValueError`` for settings that cannot work.
 
-    ``head_dim`` (default: from the model's config) lets ``auto`` consider flash-attn.
+    ``cache``: the model's cache layout (default: :func:`cache_layout`); its head size lets
+    ``auto`` consider flash-attn.
     ``previous``, the plan this one replaces: its GEMM choice is kept when the projections' shapes
     and dtype did not change, instead of reading the on-disk cache (or measuring) again.
     """
     device = torch.device(device)
-    if head_dim is None:
-        head_dim = KVGeometry.from_model(model, dtype).head_dim
+    if cache is None:
+        cache = cache_layout(model, dtype, config.block_size)
+    head_dim = cache.kv_groups[0].k_head_dim
     if config.batch_invariant:
-        return _parity_plan(model, config, device, dtype, head_dim)
+        return _parity_plan(model, config, device, dtype, cache)
     attention, attention_why = backend_choice(
         config.attention_backend, device, dtype, block_size=config.block_size, head_dim=head_dim
     )
@@ -220,7 +229,7 @@ def resolve_plan(
         c_step, c_step_why = fused_forward.c_step_classes(model, gemms)
     greedy, greedy_why = _greedy_choice(device, dtype)
     sampled_rows, sampled_rows_why = _sampled_rows_choice(device)
-    loops, loops_why = _decode_loops(model, config, dtype, attention, head_dim, previous)
+    loops, loops_why = _decode_loops(model, config, dtype, attention, cache, previous)
     return ExecutionPlan(
         model=type(model).__name__,
         device=device,
@@ -241,7 +250,7 @@ def resolve_plan(
         row_prefill_max=backend.row_prefill_max,
         watch_structure=config.fused_decode and attention == "cpu" and decode_mode == "eager",
         config=dataclasses.replace(config),
-        head_dim=head_dim,
+        cache=cache,
         gemm_shapes=shapes,
         decode_loops=loops,
         decode_loops_why=loops_why,
@@ -253,7 +262,7 @@ PARITY_MODULE_WHY = "parity mode: the trainer's module forward, under the parity
 
 
 def _parity_plan(
-    model: nn.Module, config: EngineConfig, device: torch.device, dtype: torch.dtype, head_dim: int
+    model: nn.Module, config: EngineConfig, device: torch.device, dtype: torch.dtype, cache: CacheLayout
 ) -> ExecutionPlan:
     """The parity plan: the one set of paths whose results the trainer side reproduces exactly (see
     :mod:`cbgen.batch_invariant`).  Everything that changes a reduction order by batch, chunk or
@@ -304,7 +313,7 @@ def _parity_plan(
         # The direct forward runs only the math of the modules it was qualified on.
         watch_structure=decode_mode == "eager" and parity_kernels.parity_form(device, dtype) == "c",
         config=dataclasses.replace(config),
-        head_dim=head_dim,
+        cache=cache,
         parity=True,
     )
 
@@ -329,7 +338,7 @@ def _parity_forward_choice(
 
 def resolve_again(plan: ExecutionPlan, model: nn.Module) -> ExecutionPlan:
     """:func:`resolve_plan` with the settings ``plan`` was resolved from, for the model as it is now."""
-    return resolve_plan(model, plan.config, plan.device, plan.dtype, head_dim=plan.head_dim, previous=plan)
+    return resolve_plan(model, plan.config, plan.device, plan.dtype, cache=plan.cache, previous=plan)
 
 
 def plan_for_model(model: nn.Module, config: EngineConfig | None = None) -> ExecutionPlan:
@@ -428,7 +437,7 @@ def _decode_loops(
     config: EngineConfig,
     dtype: torch.dtype,
     attention: str,
-    head_dim: int,
+    cache: CacheLayout,
     previous: ExecutionPlan | None,
 ) -> tuple[str, str]:
     """The C decode kernel's loops (measured once per machine and geometry; see decode_loops.py)."""
@@ -437,7 +446,8 @@ def _decode_loops(
     if previous is not None and previous.attention == "cpu" and previous.dtype == dtype:
         return previous.decode_loops, previous.decode_loops_why
     text = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-    kv_heads = KVGeometry.from_model(model, dtype).num_kv_heads
+    group = cache.kv_groups[0]
+    kv_heads, head_dim = group.num_kv_heads, group.k_head_dim
     heads = kv_heads * (
         int(text.num_attention_heads)
         // int(getattr(text, "num_key_value_heads", None) or text.num_attention_heads)
@@ -459,3 +469,20 @@ def _sampled_rows_choice(device: torch.device) -> tuple[str, str]:
     if device.type == "cpu":
         return "readback", "on the CPU a read-back costs nothing"
     return "sync_free", f"on {device.type} every read-back waits for the device's queue"
+
+
+def cache_layout(model: nn.Module, dtype: torch.dtype, block_size: int) -> CacheLayout:
+    """The model's cache layout, or the refusal of a model whose cache shape cannot be read.  The
+    paged backends attend over one kv group; a layout of several groups or with state is refused
+    here until a backend takes it (the contract below the plan already does)."""
+    from cbgen.model import support
+
+    try:
+        layout = CacheLayout.from_model(model, dtype, block_size)
+    except Exception as exc:  # whatever the config raises, the model is refused with it
+        raise support.geometry_error(model, exc) from exc
+    if layout.single is None:
+        raise support.UnsupportedModelError(
+            f"{type(model).__name__}'s cache is {layout.describe()}: cbgen's attention backends take one kv group"
+        )
+    return layout

@@ -101,7 +101,7 @@ class ModelRunner:
         self.attn_backend = backend = make_backend(
             plan.attention, plan.device, decode_loops.IMPLS[plan.decode_loops]
         )
-        backend.check_geometry(kv_cache.block_size, kv_cache.geometry.head_dim)
+        backend.check_geometry(kv_cache.block_size, kv_cache.geometry.k_head_dim)
         self.compiled = plan.compile
         self.static: StaticDecodeRunner | None = None
         if plan.decode_mode != "eager":

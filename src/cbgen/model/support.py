@@ -341,7 +341,7 @@ def _paged_logits(
     finally:
         with torch.inference_mode():
             for layer in target.kv_cache.layers:
-                for t in layer:
+                for t in layer or ():
                     t[:need].zero_()
     s1, s2 = got
     # Packed order: decode rows first, then prefill chunks in order.

@@ -1,0 +1,150 @@
+"""The cache a model needs, as groups of layers: the execution plan's ``cache`` (its layout).
+
+A group is a set of layers whose cache entries share one shape:
+
+* ``kv``: paged keys and values per token, with its own KV heads, key head size, value head size
+  (they may differ: latent attention) and block size; one block pool each
+  (:class:`cbgen.core.block_manager.BlockManager`), one block table per request;
+* ``state``: a fixed-size state per sequence and layer (a recurrent or convolution state), one slot
+  per running sequence (:class:`cbgen.core.slots.SlotPool`).
+
+Layers that read another layer's keys and values instead of writing their own belong to no group
+and are listed in ``shared`` (reader, producer).
+
+Every model cbgen runs today has one ``kv`` group over all its layers (one head size, what the config
+says); the layout is the contract the model families that need more (hybrid state-space models,
+per-layer head sizes, KV-sharing layers) extend, and the scheduler, block pools, input builder and
+KV cache already take any number of groups (``tests/model/test_cache_groups.py``).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from cbgen.topology import local_kv_heads
+
+KINDS = ("kv", "state")
+
+
+@dataclass(frozen=True)
+class CacheGroup:
+    """One group of layers with one cache shape (see the module docstring)."""
+
+    kind: str
+    layers: tuple[int, ...]
+    dtype: torch.dtype
+    num_kv_heads: int = 0
+    k_head_dim: int = 0
+    v_head_dim: int = 0
+    block_size: int = 0
+    state_shapes: tuple[tuple[int, ...], ...] = ()  # kind "state": one shape per layer
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise ValueError(f"cache group kind must be one of {KINDS}, got {self.kind!r}")
+        if not self.layers:
+            raise ValueError("a cache group needs at least one layer")
+        if (
+            self.kind == "kv"
+            and min(self.num_kv_heads, self.k_head_dim, self.v_head_dim, self.block_size) < 1
+        ):
+            raise ValueError(f"a kv group needs heads, head sizes and a block size, got {self}")
+        if self.kind == "state" and len(self.state_shapes) != len(self.layers):
+            raise ValueError("a state group needs one state shape per layer")
+
+    @property
+    def itemsize(self) -> int:
+        """Bytes per cache element."""
+        return torch.empty((), dtype=self.dtype).element_size()
+
+    def bytes_per_block(self) -> int:
+        """Bytes of K plus V for one block across the group's layers (kind ``kv``)."""
+        per_token = self.num_kv_heads * (self.k_head_dim + self.v_head_dim) * self.itemsize
+        return len(self.layers) * self.block_size * per_token
+
+    def bytes_per_slot(self) -> int:
+        """Bytes of one sequence's state across the group's layers (kind ``state``)."""
+        return sum(math.prod(shape) for shape in self.state_shapes) * self.itemsize
+
+    def describe(self) -> str:
+        """One line for ``cbgen info``."""
+        span = (
+            f"layers {self.layers[0]}-{self.layers[-1]}"
+            if len(self.layers) > 1
+            else f"layer {self.layers[0]}"
+        )
+        if self.kind == "state":
+            return f"state, {span}: {self.bytes_per_slot()} bytes a sequence"
+        heads = f"{self.num_kv_heads} KV heads x K {self.k_head_dim} / V {self.v_head_dim}"
+        per_token = self.bytes_per_block() // self.block_size
+        return f"kv, {span}: {heads}, blocks of {self.block_size} tokens, {per_token} bytes a token"
+
+
+@dataclass(frozen=True)
+class CacheLayout:
+    """The groups of a model's cache, and the layers that read another layer's KV."""
+
+    groups: tuple[CacheGroup, ...]
+    shared: tuple[tuple[int, int], ...] = ()
+
+    def __post_init__(self) -> None:
+        if not any(g.kind == "kv" for g in self.groups):
+            raise ValueError("a cache layout needs a kv group")
+        seen: set[int] = set()
+        for g in self.groups:
+            if seen & set(g.layers):
+                raise ValueError(f"layers {sorted(seen & set(g.layers))} are in two cache groups")
+            seen |= set(g.layers)
+        for reader, producer in self.shared:
+            if reader in seen or producer not in seen:
+                raise ValueError(
+                    f"shared layer {reader} -> {producer}: the reader owns a cache or the producer none"
+                )
+
+    @property
+    def kv_groups(self) -> list[CacheGroup]:
+        """The paged groups, in order (group ``i`` of the block pools is ``kv_groups[i]``)."""
+        return [g for g in self.groups if g.kind == "kv"]
+
+    @property
+    def state_groups(self) -> list[CacheGroup]:
+        """The per-sequence state groups."""
+        return [g for g in self.groups if g.kind == "state"]
+
+    @property
+    def single(self) -> CacheGroup | None:
+        """The one kv group when that is the whole layout (every model today), else None."""
+        return self.groups[0] if len(self.groups) == 1 and not self.shared else None
+
+    def kv_group_of(self) -> dict[int, int]:
+        """Layer -> index of its kv group (KV-sharing readers map to their producer's group)."""
+        found = {layer: i for i, g in enumerate(self.kv_groups) for layer in g.layers}
+        for reader, producer in self.shared:
+            found[reader] = found[producer]
+        return found
+
+    def bytes_per_slot(self) -> int:
+        """Bytes of one sequence's state across every state group."""
+        return sum(g.bytes_per_slot() for g in self.state_groups)
+
+    def describe(self) -> str:
+        """The groups in one line each (``cbgen info``)."""
+        lines = [g.describe() for g in self.groups]
+        lines += [f"layer {r} reads layer {p}'s KV" for r, p in self.shared]
+        return "; ".join(lines)
+
+    @classmethod
+    def from_model(cls, model: torch.nn.Module, dtype: torch.dtype, block_size: int) -> CacheLayout:
+        """The layout of a model cbgen runs today: one kv group over every layer, heads and head size
+        from the (text) config (KV heads: this rank's share under tensor parallelism)."""
+        config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+        num_heads = config.num_attention_heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
+        num_kv_heads = getattr(config, "num_key_value_heads", None) or num_heads
+        # A tensor-parallel rank's attention sees only its share of the heads: cache that share.
+        num_kv_heads = local_kv_heads(model, num_heads, num_kv_heads, head_dim)
+        layers = tuple(range(config.num_hidden_layers))
+        return cls((CacheGroup("kv", layers, dtype, num_kv_heads, head_dim, head_dim, block_size),))
