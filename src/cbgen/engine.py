@@ -29,9 +29,6 @@ import torch
 from cbgen import envs
 from cbgen.config import EngineConfig
 from cbgen.core import update as step_update
-from cbgen.core.block_manager import BlockManager
-from cbgen.core.cache_pools import CachePools
-from cbgen.core.scheduler import Scheduler
 from cbgen.core.stats import EngineStats, StepStats
 from cbgen.engine_control import EngineControl
 from cbgen.inputs import as_token_ids
@@ -39,14 +36,12 @@ from cbgen.limits import RequestLimits
 from cbgen.lockstep import step_sync
 from cbgen.model import support
 from cbgen.model.cpu_threads import ThreadGovernor
-from cbgen.model.input_batch import InputBuilder, ModelInput
-from cbgen.model.kv_cache import KVCache, StateCopy, choose_num_blocks
+from cbgen.model.device_side import build_device_side
+from cbgen.model.facts import ModelFacts
+from cbgen.model.input_batch import ModelInput
+from cbgen.model.kv_cache import StateCopy
 from cbgen.model.loading.weights import WeightWatcher
-from cbgen.model.paged_metadata import PagedMetadata
-from cbgen.model.plan import ExecutionPlan, resolve_plan
-from cbgen.model.rotary import length_rotary
-from cbgen.model.runner import ModelRunner
-from cbgen.model.startup import StartupTarget
+from cbgen.model.plan import ExecutionPlan
 from cbgen.output_processor import OutputProcessor
 from cbgen.outputs import RequestOutput
 from cbgen.request import Request, RequestGroup, RequestStatus, RopeSwitch
@@ -77,41 +72,19 @@ class Engine:
         self.model = model
         support.check_model(model)
         self.tokenizer = tokenizer
-        param = next(model.parameters())
-        self.device = param.device
-        self.dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+        facts = ModelFacts.read(model, config, tokenizer)
+        self.device, self.dtype, self.vocab_size = facts.device, facts.dtype, facts.vocab_size
+        self.max_model_len, self.length_rotary = facts.max_model_len, facts.length_rotary
+        self.eos_token_ids = facts.eos_token_ids
         # CPU steps leave out the threads whose cores other processes hold (model/cpu_threads.py).
-        # Started first, so that its first window (the rest of this constructor) is read by the time
-        # the first step runs.
+        # Started before the device side, so that its first window (the rest of this constructor)
+        # is read by the time the first step runs.
         self.threads = ThreadGovernor(
             enabled=self.device.type == "cpu" and envs.flag("CBGEN_FOLLOW_LOAD"), watch=True
         )
-        text_config = (
-            model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-        )
-        self.vocab_size = int(text_config.vocab_size)
-        self.max_model_len = int(
-            config.max_model_len or getattr(text_config, "max_position_embeddings", None) or 1 << 20
-        )
-        limit = support.length_limit(model)
-        if limit is not None and self.max_model_len > limit:
-            if config.max_model_len:
-                raise support.UnsupportedModelError(
-                    f"max_model_len={config.max_model_len} exceeds {limit}, the attention chunk of "
-                    f"{type(model).__name__}'s chunked-attention layers: the paged kernels attend the "
-                    "whole context, which equals chunked attention only within one chunk"
-                )
-            logger.info("cbgen: max_model_len capped at %d, the model's attention chunk", limit)
-            self.max_model_len = limit
-        try:
-            self.length_rotary = length_rotary(model)
-        except NotImplementedError as exc:
-            raise support.UnsupportedModelError(str(exc)) from exc
-        if config.batch_invariant and self.length_rotary is not None:
-            self._cap_for_parity(self.length_rotary.threshold)
-        self.eos_token_ids = frozenset(self._eos_ids(model, tokenizer))
-
-        self._build_device_side(model, config)
+        side = build_device_side(model, config, facts)
+        self.kv_cache, self.block_manager, self.scheduler = side.kv_cache, side.pools, side.scheduler
+        self.runner, self.input_builder = side.runner, side.input_builder
         self.request_limits = RequestLimits(
             self.max_model_len, self.block_manager.block_size, self.block_manager.num_blocks
         )
@@ -154,87 +127,6 @@ class Engine:
         # Streamed ones belong to their stream's reader (AsyncEngine, the server).
         self.on_abort: Callable[[RequestOutput], None] | None = None
 
-    def _cap_for_parity(self, threshold: int) -> None:
-        """Parity mode on a model whose rotary frequencies switch with the sequence length: the
-        trainer's forward over a whole padded batch picks one set from the batch's longest row,
-        the engine one per token, so the two agree only while no sequence passes the switch."""
-        if self.max_model_len <= threshold:
-            return
-        if self.config.max_model_len:
-            raise ValueError(
-                f"batch_invariant=True with max_model_len={self.config.max_model_len}: "
-                f"{type(self.model).__name__}'s rotary frequencies switch past {threshold} tokens, where "
-                "the trainer's forward and the engine's can no longer agree bit for bit; use "
-                f"max_model_len <= {threshold}"
-            )
-        logger.info(
-            "cbgen: max_model_len capped at %d for parity mode: the rotary frequencies switch past it",
-            threshold,
-        )
-        self.max_model_len = threshold
-
-    def _build_device_side(self, model: torch.nn.Module, config: EngineConfig) -> None:
-        """In order: the execution plan (resolved once, logged) with the model's cache layout, the
-        block count for this budget, the cache and its block pools, the scheduler over them, the
-        runner that follows the plan, and the input builder with the backend's metadata deriver."""
-        plan = resolve_plan(model, config, self.device, self.dtype)
-        logger.info("cbgen: execution plan: %s", plan)
-        layout = plan.cache
-        num_blocks = choose_num_blocks(
-            layout,
-            self.device,
-            config.num_blocks,
-            config.kv_cache_memory,
-            config.kv_cache_memory_fraction,
-            max_useful_tokens=config.max_num_seqs * self.max_model_len + config.max_num_batched_tokens,
-        )
-        self.kv_cache = KVCache(layout, num_blocks, self.device)
-        self.block_manager = CachePools(
-            [
-                BlockManager(num_blocks, g.block_size, config.enable_prefix_caching, group=i)
-                for i, g in enumerate(layout.kv_groups)
-            ]
-        )
-        self.scheduler = Scheduler(self.block_manager, config.max_num_batched_tokens, config.max_num_seqs)
-        self.runner = ModelRunner(
-            model,
-            self.kv_cache,
-            plan,
-            max_num_seqs=config.max_num_seqs,
-            max_model_len=self.max_model_len,
-            cuda_graph_max_batch=config.cuda_graph_max_batch,
-            length_rotary=self.length_rotary,
-        )
-        self.runner.warmup()
-        # The start-up checks see this engine through a narrow, typed view (model/startup.py).
-        target = StartupTarget(
-            runner=self.runner,
-            kv_cache=self.kv_cache,
-            model=self.model,
-            vocab_size=self.vocab_size,
-            dtype=self.dtype,
-            device=self.device,
-            max_model_len=self.max_model_len,
-            rope_extents=self.length_rotary is not None,
-        )
-        if config.verify_model:
-            support.probe(target)
-            # The probe's sequences are short: where the rotary switches sets with the length, the
-            # per-token tables are checked against the module at the switch too.
-            why = self.length_rotary.check(self.dtype) if self.length_rotary is not None else None
-            if why is not None:
-                raise support.UnsupportedModelError(why)
-        if plan.forward == "direct":
-            self.runner.direct_check_done(support.check_direct_forward(target))
-        # Short prefill chunks as decode-kernel rows: measured on the C kernels only (see input_batch).
-        self.input_builder = InputBuilder(
-            [g.block_size for g in layout.kv_groups],
-            self.device,
-            num_blocks=num_blocks,
-            rope_extents=self.length_rotary is not None,
-            metadata=PagedMetadata(plan.row_prefill_max),
-        )
-
     @property
     def control(self) -> EngineControl:
         """The front ends' handle on this engine (policy, pauses, gauges).  Made on each access
@@ -248,21 +140,6 @@ class Engine:
         """The execution plan in force: resolved at start, re-resolved by the runner when the
         model's structure changes (see :mod:`cbgen.model.plan`)."""
         return self.runner.plan
-
-    @staticmethod
-    def _eos_ids(model, tokenizer) -> set[int]:
-        ids: set[int] = set()
-        gen_config = getattr(model, "generation_config", None)
-        eos = getattr(gen_config, "eos_token_id", None)
-        if eos is None:
-            eos = getattr(model.config, "eos_token_id", None)
-        if eos is None and tokenizer is not None:
-            eos = tokenizer.eos_token_id
-        if isinstance(eos, int):
-            ids.add(eos)
-        elif eos is not None:
-            ids.update(int(e) for e in eos)
-        return ids
 
     # ------------------------------------------------------------------ requests
     def new_request_id(self) -> str:

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from cbgen import LLM, SamplingParams
-from cbgen import engine as engine_module
+from cbgen.model import facts as facts_module
 from cbgen.model.rotary import length_rotary
 from cbgen.model.support import UnsupportedModelError
 from tiny_models import make_model, make_prompts, make_wide_model
@@ -172,7 +172,7 @@ def test_the_start_check_compares_against_the_module(monkeypatch) -> None:
         return found
 
     assert "other cos/sin" in off_by_one(phi3_longrope()).check(torch.float32)
-    monkeypatch.setattr(engine_module, "length_rotary", off_by_one)
+    monkeypatch.setattr(facts_module, "length_rotary", off_by_one)
     with pytest.raises(UnsupportedModelError, match="other cos/sin"):
         LLM(phi3_longrope(), seed=0)
 

@@ -75,31 +75,8 @@ def build_step_batch(
     group's ``num_blocks`` here, on the host, before it can reach a device kernel that could not
     check it without a sync."""
     nr = len(order)
-    # One pass over the rows for everything per row (this runs every step: per-row numpy calls or
-    # repeated passes cost more than the arithmetic).
-    ctx_list: list[int] = []
-    tokens: list[int] = []
-    samplers: list[list[Request]] = []
-    sample_list: list[int] = []
-    drafted = False
-    for r, n in order:
-        c = r.num_computed_tokens
-        ctx_list.append(c)
-        drafts = r.draft_token_ids
-        if n == 1 and not drafts:
-            # A pending token (overlap scheduling) is not known yet: 0 holds its place until the
-            # runner patches in the device-side value (``ModelInput.pending_rows``).
-            tokens.append(0 if r.pending else r.token_ids[c])
-        else:
-            have = len(r.token_ids)
-            tokens.extend(r.token_ids[c : c + n])
-            if c + n > have:
-                tokens.extend(drafts[max(0, c - have) : c + n - have])
-            drafted = drafted or bool(drafts)
-        seqs = sampling_sequences(r, n)
-        samplers.append(seqs)
-        sample_list.append(1 + len(drafts) if seqs else 0)
-    ctx = np.asarray(ctx_list, dtype=np.int64)
+    rows = _Rows.read(order)
+    ctx, tokens, samplers = np.asarray(rows.ctx, dtype=np.int64), rows.tokens, rows.samplers
     num_tokens = len(tokens)
     if num_tokens == nr:  # every row one token (a decode-only step): no spans to expand
         q_lens = np.ones(nr, dtype=np.int64)
@@ -129,8 +106,8 @@ def build_step_batch(
         if any(s is None for s in held):
             raise RuntimeError("a row of a model with per-sequence state holds no state slot")
         state_slots = np.asarray(held, dtype=np.int64)
-    samples = np.asarray(sample_list, dtype=np.int64)
-    if drafted and (samples > q_lens).any():
+    samples = np.asarray(rows.sample_counts, dtype=np.int64)
+    if rows.drafted and (samples > q_lens).any():
         raise RuntimeError(
             "a row samples at positions that are not in its step (drafts without their last token)"
         )
@@ -169,3 +146,37 @@ def _table(order: list[tuple[Request, int]], group: int, counts: np.ndarray) -> 
     table = np.zeros((len(order), width), dtype=np.int64)
     table[np.arange(width) < counts[:, None]] = flat
     return table
+
+
+@dataclass
+class _Rows:
+    """What the step batch needs of each row's request, read in one pass (this runs every step:
+    per-row numpy calls or repeated passes cost more than the arithmetic)."""
+
+    ctx: list[int]
+    tokens: list[int]  # the query tokens in packed order: from the first uncomputed one, then drafts
+    samplers: list[list[Request]]
+    sample_counts: list[int]
+    drafted: bool
+
+    @classmethod
+    def read(cls, order: list[tuple[Request, int]]) -> _Rows:
+        rows = cls([], [], [], [], False)
+        for r, n in order:
+            c = r.num_computed_tokens
+            rows.ctx.append(c)
+            drafts = r.draft_token_ids
+            if n == 1 and not drafts:
+                # A pending token (overlap scheduling) is not known yet: 0 holds its place until the
+                # runner patches in the device-side value (``ModelInput.pending_rows``).
+                rows.tokens.append(0 if r.pending else r.token_ids[c])
+            else:
+                have = len(r.token_ids)
+                rows.tokens.extend(r.token_ids[c : c + n])
+                if c + n > have:
+                    rows.tokens.extend(drafts[max(0, c - have) : c + n - have])
+                rows.drafted = rows.drafted or bool(drafts)
+            seqs = sampling_sequences(r, n)
+            rows.samplers.append(seqs)
+            rows.sample_counts.append(1 + len(drafts) if seqs else 0)
+        return rows

@@ -400,6 +400,35 @@ def _check_indices(
         raise ValueError(f"{fn}: " + "; ".join(found))
 
 
+def _check_shapes(
+    fn: str, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor
+) -> tuple[int, int, int, int, int, int]:
+    """Ranks, dtypes and head counts of the attention's tensors; returns (T, H, D, blocks, block
+    size, Hkv)."""
+    if q.dim() != 3 or k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
+        raise ValueError(
+            f"{fn}: expected q [T, H, D] and caches [blocks, size, Hkv, D], got {tuple(q.shape)}, "
+            f"{tuple(k_cache.shape)}, {tuple(v_cache.shape)}"
+        )
+    t, h, d = q.shape
+    num_blocks, block_size, kv_heads, kd = k_cache.shape
+    dtype = q.dtype
+    if dtype not in _DTYPES or k_cache.dtype != dtype or v_cache.dtype != dtype or kd != d:
+        raise ValueError(
+            f"{fn}: q and caches must share float32, bfloat16 or float16 and head_dim, got "
+            f"{q.dtype}/{k_cache.dtype}/{v_cache.dtype}, D {d}/{kd}"
+        )
+    if kv_heads < 1 or h < 1 or h % kv_heads or d < 1 or d > _MAX_HEAD_DIM:
+        raise ValueError(
+            f"{fn}: need H a multiple of Hkv >= 1 and 1 <= D <= {_MAX_HEAD_DIM}, got H {h}, Hkv {kv_heads}, D {d}"
+        )
+    if block_table.dim() != 2 or block_table.dtype != torch.int32:
+        raise ValueError(
+            f"{fn}: block_table must be a [G, W] int32 tensor, got {block_table.dtype} {list(block_table.shape)}"
+        )
+    return t, h, d, num_blocks, block_size, kv_heads
+
+
 def triton_parity_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -432,27 +461,8 @@ def triton_parity_attention(
     from the device (skipped during CUDA-graph capture, where the kernel still never dereferences an
     id outside the cache)."""
     fn = "triton_parity_attention"
-    if q.dim() != 3 or k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
-        raise ValueError(
-            f"{fn}: expected q [T, H, D] and caches [blocks, size, Hkv, D], got {tuple(q.shape)}, "
-            f"{tuple(k_cache.shape)}, {tuple(v_cache.shape)}"
-        )
-    t, h, d = q.shape
-    num_blocks, block_size, kv_heads, kd = k_cache.shape
+    t, h, d, num_blocks, block_size, _ = _check_shapes(fn, q, k_cache, v_cache, block_table)
     dtype = q.dtype
-    if dtype not in _DTYPES or k_cache.dtype != dtype or v_cache.dtype != dtype or kd != d:
-        raise ValueError(
-            f"{fn}: q and caches must share float32, bfloat16 or float16 and head_dim, got "
-            f"{q.dtype}/{k_cache.dtype}/{v_cache.dtype}, D {d}/{kd}"
-        )
-    if kv_heads < 1 or h < 1 or h % kv_heads or d < 1 or d > _MAX_HEAD_DIM:
-        raise ValueError(
-            f"{fn}: need H a multiple of Hkv >= 1 and 1 <= D <= {_MAX_HEAD_DIM}, got H {h}, Hkv {kv_heads}, D {d}"
-        )
-    if block_table.dim() != 2 or block_table.dtype != torch.int32:
-        raise ValueError(
-            f"{fn}: block_table must be a [G, W] int32 tensor, got {block_table.dtype} {list(block_table.shape)}"
-        )
     groups, width = block_table.shape
     seq_start = _index(fn, "seq_start", seq_start, (groups,), torch.int64)
     row_seq = _index(fn, "row_seq", row_seq, (t,), torch.int64)
@@ -482,6 +492,20 @@ def triton_parity_attention(
     if device.type != "cuda" or not torch.cuda.is_current_stream_capturing():
         _check_indices(fn, block_table, seq_start, row_seq, row_pos, block_size, num_blocks, window)
 
+    args = (q, k_cache, v_cache, block_table, seq_start, row_seq, row_pos)
+    return _launch_attention(args, float(scale), window, cap, device)
+
+
+def _launch_attention(
+    args: tuple[torch.Tensor, ...], scale: float, window: int, cap: float, device: torch.device
+) -> torch.Tensor:
+    """Launches the attention kernel on checked arguments (q, caches, table, seq_start, row_seq,
+    row_pos); one program per (query row, kv head)."""
+    q, k_cache, v_cache, block_table, seq_start, row_seq, row_pos = args
+    t, h, d = q.shape
+    num_blocks, block_size, kv_heads, _ = k_cache.shape
+    groups, width = block_table.shape
+    dtype = q.dtype
     group = h // kv_heads
     out = torch.empty(t, h, d, dtype=_result_dtype(dtype), device=device)
     _, attention_kernel = _kernels(_interpreting())
@@ -505,7 +529,7 @@ def triton_parity_attention(
             num_blocks,
             groups,
             width,
-            float(scale),
+            scale,
             cap if cap > 0.0 else 1.0,
             window,
             GROUP=group,

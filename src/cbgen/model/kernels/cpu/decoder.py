@@ -120,16 +120,7 @@ def decoder_step(
     added to (a diagnostic; ``benchmarks/step_budget.py``), or None."""
     if gemm not in GEMMS:
         raise ValueError(f"decoder_step: gemm {gemm!r} is not one of {sorted(GEMMS)}")
-    if stage_seconds is not None and (
-        stage_seconds.dtype != torch.float64
-        or stage_seconds.device.type != "cpu"
-        or not stage_seconds.is_contiguous()
-        or stage_seconds.numel() != len(STAGES)
-        or library().cbgen_decoder_stages() != len(STAGES)
-    ):
-        raise ValueError(
-            f"decoder_step: stage_seconds must be a contiguous CPU float64 tensor of {len(STAGES)}"
-        )
+    _check_stage_seconds(stage_seconds)
     tokens, width = hidden.shape
     qd, kd = heads * head_dim, kv_heads * head_dim
     _check_decoder_step(words, floats, first_norm[0], hidden, cos, sin, table, seq_lens, slots, head_dim)
@@ -176,6 +167,20 @@ def decoder_step(
         layer, stage = divmod(rc - 1, 16)
         raise RuntimeError(f"cbgen_decoder_step failed in layer {layer}, stage {stage}")
     return x
+
+
+def _check_stage_seconds(stage_seconds: torch.Tensor | None) -> None:
+    """The diagnostic buffer, when given: one float64 per stage the library times, on the CPU."""
+    if stage_seconds is not None and (
+        stage_seconds.dtype != torch.float64
+        or stage_seconds.device.type != "cpu"
+        or not stage_seconds.is_contiguous()
+        or stage_seconds.numel() != len(STAGES)
+        or library().cbgen_decoder_stages() != len(STAGES)
+    ):
+        raise ValueError(
+            f"decoder_step: stage_seconds must be a contiguous CPU float64 tensor of {len(STAGES)}"
+        )
 
 
 def _check_decoder_step(

@@ -82,7 +82,59 @@ def _cache_dir() -> Path:
     return Path(root) if root else Path.home() / ".cache" / "cbgen" / "kernels"
 
 
+# Every entry point's arguments, one letter each: p pointer, l int64, i int32, f float32.  All return
+# an int32 status, except cbgen_decoder_layout (declared apart).
+_SIGNATURES = {
+    # q, q_stride, k, v, table, table_stride, table_width, seq_lens, out, B, H, Hkv, D, bs,
+    # num_blocks, scale, window, softcap, dtype, impl
+    "cbgen_paged_decode": "plpppllppliiiilflfii",
+    "cbgen_store_kv": "plplpppllil",
+    "cbgen_add_rmsnorm": "pppplllllfi",
+    "cbgen_rope": "ppppliiilli",
+    "cbgen_silu_mul": "pppllllli",
+    "cbgen_greedy_rows": "plllpppi",
+    "cbgen_amx_linear": "plpppllll",
+    "cbgen_amx_init": "",
+    "cbgen_decoder_step": "ppipfppppppppppllpplliiililiiip",
+    "cbgen_decoder_stages": "",
+    "cbgen_decode_loops": "",
+    "cbgen_gemv": "plplpplllli",
+    "cbgen_panel_pack": "plllipli",
+    "cbgen_panel_gemm": "plplppllllii",
+    "cbgen_p512_pack": "plllpl",
+    "cbgen_dp_pack": "plllpl",
+    # x, its stride, packed, its size, bias, out, its stride, M, N, K
+    "cbgen_p512_gemm": "plplppllll",
+    "cbgen_dp_gemm": "plplppllll",
+    "cbgen_p512_built": "",
+    # q, q row/head stride, k, v, kv block/slot/head stride, num_blocks, block_size, table, its
+    # stride, width, rows, seq_start, row_seq, row_pos, out, out row stride, T, H, Hkv, D, scale,
+    # window, softcap, dtype
+    "cbgen_parity_attention": "pllpplllllplllpppplllllflfi",
+    # logits, their row stride, rows, vocab, token ids, out, dtype
+    "cbgen_parity_token_logprobs": "plllppi",
+    # h, its stride, o, its stride, out, its stride, sq, rows, n, dtype
+    "cbgen_parity_add_square": "plplplplli",
+    # x, its stride, var, eps, weight, out, its stride, rows, n, dtype
+    "cbgen_parity_norm_apply": "plpfppllli",
+    # x, its row stride, heads, d, cos, sin, their row stride, out, its row stride, rows, dtype
+    "cbgen_parity_rope": "plllpplplli",
+    # a, its stride, b, its stride, out, its stride, rows, n, dtype
+    "cbgen_parity_mul": "plplpllli",
+    # gate_up, its stride, inter, out, its stride, rows, torch's vector exp, its width, dtype
+    "cbgen_parity_silu_mul": "pllpllpii",
+}
+_CTYPES = {"p": ctypes.c_void_p, "l": ctypes.c_int64, "i": ctypes.c_int, "f": ctypes.c_float}
+
+
 def _build() -> ctypes.CDLL:
+    lib = ctypes.CDLL(str(_compile()))
+    _declare(lib)
+    return lib
+
+
+def _compile() -> Path:
+    """The shared library for these sources, flags, compiler and CPU: from the cache, else built."""
     compiler = envs.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if not compiler:
         raise RuntimeError("no C compiler found (set CC)")
@@ -108,112 +160,17 @@ def _build() -> ctypes.CDLL:
                 raise RuntimeError(f"{compiler} failed: {proc.stderr.strip()[-2000:]}")
             os.replace(out, target)
         log.info("cbgen: built CPU paged-attention kernels into %s", target)
-    lib = ctypes.CDLL(str(target))
-    i64, i32, f32, ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_float, ctypes.c_void_p
-    # q, q_stride, k, v, table, table_stride, table_width, seq_lens, out, B, H, Hkv, D, bs, num_blocks,
-    # scale, window, softcap, dtype, impl
-    lib.cbgen_paged_decode.argtypes = [
-        ptr,
-        i64,
-        ptr,
-        ptr,
-        ptr,
-        i64,
-        i64,
-        ptr,
-        ptr,
-        i64,
-        i32,
-        i32,
-        i32,
-        i32,
-        i64,
-    ]
-    lib.cbgen_paged_decode.argtypes += [f32, i64, f32, i32, i32]
-    lib.cbgen_paged_decode.restype = i32
-    lib.cbgen_store_kv.argtypes = [ptr, i64, ptr, i64, ptr, ptr, ptr, i64, i64, i32, i64]
-    lib.cbgen_store_kv.restype = i32
-    lib.cbgen_add_rmsnorm.argtypes = [ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, f32, i32]
-    lib.cbgen_rope.argtypes = [ptr, ptr, ptr, ptr, i64, i32, i32, i32, i64, i64, i32]
-    lib.cbgen_silu_mul.argtypes = [ptr, ptr, ptr, i64, i64, i64, i64, i64, i32]
-    lib.cbgen_greedy_rows.argtypes = [ptr, i64, i64, i64, ptr, ptr, ptr, i32]
-    lib.cbgen_amx_linear.argtypes = [ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64]
-    lib.cbgen_amx_init.argtypes = []
-    lib.cbgen_decoder_step.argtypes = [ptr, ptr, i32, ptr, f32, *[ptr] * 10, i64, i64, ptr, ptr, i64, i64]
-    lib.cbgen_decoder_step.argtypes += [i32, i32, i32, i64, i32, i64, i32, i32, i32, ptr]
-    lib.cbgen_decoder_stages.argtypes = []
-    lib.cbgen_decode_loops.argtypes = []
-    lib.cbgen_decode_loops.restype = i32
-    lib.cbgen_gemv.argtypes = [ptr, i64, ptr, i64, ptr, ptr, i64, i64, i64, i64, i32]
-    lib.cbgen_panel_pack.argtypes = [ptr, i64, i64, i64, i32, ptr, i64, i32]
-    lib.cbgen_panel_gemm.argtypes = [ptr, i64, ptr, i64, ptr, ptr, i64, i64, i64, i64, i32, i32]
-    lib.cbgen_p512_pack.argtypes = [ptr, i64, i64, i64, ptr, i64]
-    lib.cbgen_dp_pack.argtypes = [ptr, i64, i64, i64, ptr, i64]
-    # x, its stride, packed, its size, bias, out, its stride, M, N, K
-    lib.cbgen_p512_gemm.argtypes = [ptr, i64, ptr, i64, ptr, ptr, i64, i64, i64, i64]
-    lib.cbgen_dp_gemm.argtypes = [ptr, i64, ptr, i64, ptr, ptr, i64, i64, i64, i64]
-    lib.cbgen_p512_built.argtypes = []
-    # q, q row/head stride, k, v, kv block/slot/head stride, num_blocks, block_size, table, its stride,
-    # width, rows, seq_start, row_seq, row_pos, out, out row stride, T, H, Hkv, D, scale, window,
-    # softcap, dtype
-    lib.cbgen_parity_attention.argtypes = [
-        ptr,
-        i64,
-        i64,
-        ptr,
-        ptr,
-        i64,
-        i64,
-        i64,
-        i64,
-        i64,
-        ptr,
-        i64,
-        i64,
-        i64,
-    ]
-    lib.cbgen_parity_attention.argtypes += [ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, f32, i64, f32, i32]
-    # logits, their row stride, rows, vocab, token ids, out, dtype
-    lib.cbgen_parity_token_logprobs.argtypes = [ptr, i64, i64, i64, ptr, ptr, i32]
-    # h, its stride, o, its stride, out, its stride, sq, rows, n, dtype
-    lib.cbgen_parity_add_square.argtypes = [ptr, i64, ptr, i64, ptr, i64, ptr, i64, i64, i32]
-    # x, its stride, var, eps, weight, out, its stride, rows, n, dtype
-    lib.cbgen_parity_norm_apply.argtypes = [ptr, i64, ptr, f32, ptr, ptr, i64, i64, i64, i32]
-    # x, its row stride, heads, d, cos, sin, their row stride, out, its row stride, rows, dtype
-    lib.cbgen_parity_rope.argtypes = [ptr, i64, i64, i64, ptr, ptr, i64, ptr, i64, i64, i32]
-    # a, its stride, b, its stride, out, its stride, rows, n, dtype
-    lib.cbgen_parity_mul.argtypes = [ptr, i64, ptr, i64, ptr, i64, i64, i64, i32]
-    # gate_up, its stride, inter, out, its stride, rows, torch's vector exp, its width, dtype
-    lib.cbgen_parity_silu_mul.argtypes = [ptr, i64, i64, ptr, i64, i64, ptr, i32, i32]
-    lib.cbgen_decoder_layout.argtypes = [ctypes.POINTER(i64), ctypes.POINTER(i64)]
+    return target
+
+
+def _declare(lib: ctypes.CDLL) -> None:
+    """Every entry point's argument and return types (ctypes would guess ints otherwise)."""
+    for name, letters in _SIGNATURES.items():
+        fn = getattr(lib, name)
+        fn.argtypes = [_CTYPES[c] for c in letters]
+        fn.restype = ctypes.c_int
+    lib.cbgen_decoder_layout.argtypes = [ctypes.POINTER(ctypes.c_int64), ctypes.POINTER(ctypes.c_int64)]
     lib.cbgen_decoder_layout.restype = ctypes.c_char_p
-    for fn in (
-        lib.cbgen_add_rmsnorm,
-        lib.cbgen_rope,
-        lib.cbgen_silu_mul,
-        lib.cbgen_greedy_rows,
-        lib.cbgen_amx_linear,
-        lib.cbgen_amx_init,
-        lib.cbgen_decoder_step,
-        lib.cbgen_decoder_stages,
-        lib.cbgen_gemv,
-        lib.cbgen_panel_pack,
-        lib.cbgen_panel_gemm,
-        lib.cbgen_p512_pack,
-        lib.cbgen_p512_gemm,
-        lib.cbgen_dp_pack,
-        lib.cbgen_dp_gemm,
-        lib.cbgen_p512_built,
-        lib.cbgen_parity_attention,
-        lib.cbgen_parity_token_logprobs,
-        lib.cbgen_parity_add_square,
-        lib.cbgen_parity_norm_apply,
-        lib.cbgen_parity_rope,
-        lib.cbgen_parity_mul,
-        lib.cbgen_parity_silu_mul,
-    ):
-        fn.restype = i32
-    return lib
 
 
 def available() -> bool:
