@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import random
 
-from sched_driver import EOS, MAX_MODEL_LEN, fake_token
+from sched_driver import MAX_MODEL_LEN, fake_token, make_group
 
 from cbgen.core import update
 from cbgen.core.block_manager import BlockManager
@@ -14,7 +14,6 @@ from cbgen.core.scheduler import Scheduler
 from cbgen.core.slots import SlotPool
 from cbgen.core.update import SampledTokens
 from cbgen.request import Request, RequestStatus
-from cbgen.sampling_params import SamplingParams
 
 
 def make_pools(num_blocks: int, block_sizes: tuple[int, ...], slots: int | None, caching: bool) -> CachePools:
@@ -42,25 +41,9 @@ class RunDriver:
         self.propose_drafts = True
 
     def add(self, rid: str, prompt: list[int], max_tokens: int, n: int, eos: bool) -> None:
-        params = SamplingParams(max_tokens=max_tokens, n=n)
-        samples = [
-            Request(
-                request_id=f"{rid}#{i}",
-                prompt_token_ids=prompt,
-                params=params,
-                eos_token_ids=frozenset({EOS}) if eos else frozenset(),
-                group_id=rid,
-                sample_index=i,
-            )
-            for i in range(n)
-        ]
-        leader = samples[0]
-        leader.followers = samples[1:]
-        for f in leader.followers:
-            f.leader = leader
-            f.status = RequestStatus.WAITING_FOR_FORK
+        samples = make_group(rid, prompt, max_tokens, n, eos)
         self.all += samples
-        self.sched.add(leader)
+        self.sched.add(samples[0])
 
     def _propose(self) -> None:
         """Up to 4 drafts for decoding rows, each right (the stand-in's next token) with chance 1/2."""

@@ -34,6 +34,29 @@ def expected_output(prompt: list[int], sample_index: int, max_tokens: int, eos: 
     return tokens[len(prompt) :]
 
 
+def make_group(rid: str, prompt: list[int], max_tokens: int, n: int, eos: bool) -> list[Request]:
+    """The ``n`` samples of one request as the engine queues them: the leader first, the followers
+    waiting for its prompt."""
+    params = SamplingParams(max_tokens=max_tokens, n=n)
+    samples = [
+        Request(
+            request_id=f"{rid}#{i}",
+            prompt_token_ids=prompt,
+            params=params,
+            eos_token_ids=frozenset({EOS}) if eos else frozenset(),
+            group_id=rid,
+            sample_index=i,
+        )
+        for i in range(n)
+    ]
+    leader = samples[0]
+    leader.followers = samples[1:]
+    for follower in leader.followers:
+        follower.leader = leader
+        follower.status = RequestStatus.WAITING_FOR_FORK
+    return samples
+
+
 def cost(r: Request) -> int:
     """A sequence's share of the liveness bound: it computes at most ``p + m`` tokens as the oldest
     running sequence, plus one step in which it may end without computing (docs/design.md)."""
@@ -71,27 +94,11 @@ class Driver:
     def add(
         self, rid: str, prompt: list[int], max_tokens: int, n: int = 1, eos: bool = False
     ) -> list[Request]:
-        params = SamplingParams(max_tokens=max_tokens, n=n)
-        samples = [
-            Request(
-                request_id=f"{rid}#{i}",
-                prompt_token_ids=prompt,
-                params=params,
-                eos_token_ids=frozenset({EOS}) if eos else frozenset(),
-                group_id=rid,
-                sample_index=i,
-            )
-            for i in range(n)
-        ]
-        leader = samples[0]
-        leader.followers = samples[1:]
-        for follower in leader.followers:
-            follower.leader = leader
-            follower.status = RequestStatus.WAITING_FOR_FORK
+        samples = make_group(rid, prompt, max_tokens, n, eos)
         self.all += samples
         for s in samples:
             self.added_at[s.request_id] = self.steps
-        self.sched.add(leader)
+        self.sched.add(samples[0])
         return samples
 
     def bound(self, first: int, last: int) -> int:

@@ -28,6 +28,7 @@ from paged_cases import (
     step_reference,
 )
 
+from cbgen.model.attention import LayerAttention
 from cbgen.model.backends import backend_choice
 from cbgen.model.kernels.flash import ops as flash_ops
 from cbgen.model.kernels.reference import paged_ops, varlen
@@ -416,5 +417,5 @@ def test_flash_backend_without_paged_varlen_falls_back(fake_flash, monkeypatch) 
     k, v = (torch.randn(batch.num_tokens, 2, 16, generator=gen) for _ in range(2))
     paged_ops.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
     out = torch.empty_like(q)
-    backend.prefill(meta, q, k, v, k_cache, v_cache, 0.25, None, None, out)
+    backend.prefill(meta, q, k, v, k_cache, v_cache, LayerAttention(0.25), out)
     assert_close(out, step_reference(batch, q, k_cache, v_cache, None, None), torch.float32)

@@ -21,6 +21,7 @@ import contextvars
 import copy
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 from transformers import AttentionInterface
@@ -44,6 +45,17 @@ def step_metadata(meta: AttentionMetadata) -> Iterator[None]:
         yield
     finally:
         CURRENT_META.reset(token)
+
+
+class LayerAttention(NamedTuple):
+    """One attention layer's parameters, as every backend takes them: the score scale, the sliding
+    window (None: none), the logit soft cap (None: none) and the per-head sink logits (None: none;
+    gpt-oss).  Made once per layer call from what the module passes."""
+
+    scale: float
+    sliding_window: int | None = None
+    softcap: float | None = None
+    sinks: torch.Tensor | None = None
 
 
 @dataclass
@@ -133,6 +145,9 @@ class AttentionBackend:
     # Whether ``decode`` reads each row's length from ``seq_lens`` (a paged kernel), so a fixed-shape
     # decode step does not bake the block-table width in (see cbgen.model.graphs).
     paged_decode: bool = False
+    # Whether :meth:`attend_with_sinks` works here (the torch reference's); the plan picks such a
+    # backend for models whose attention has sink logits.
+    attends_sinks: bool = True
 
     def __init__(self) -> None:
         # ``store_kv(key, value, k_cache, v_cache, slot_mapping)``, as paged_ops.store_kv.
@@ -170,16 +185,14 @@ class AttentionBackend:
         q: torch.Tensor,
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
-        scale: float,
-        sliding_window: int | None,
-        softcap: float | None,
+        layer: LayerAttention,
     ) -> torch.Tensor:
         """Attention ``[B, H, D]`` of the step's decode rows ``q [B, H, D]`` (their KV stored)."""
         keys = paged_ops.gather_kv(k_cache, meta.decode_block_table, meta.decode_max_len)
         values = paged_ops.gather_kv(v_cache, meta.decode_block_table, meta.decode_max_len)
-        mask = meta.decode_mask(keys.shape[2], sliding_window)
+        mask = meta.decode_mask(keys.shape[2], layer.sliding_window)
         keys, values = paged_ops.hide_masked(keys, values, mask)
-        return paged_ops.attend(q[:, :, None, :], keys, values, mask, scale, softcap)[:, :, 0, :]
+        return paged_ops.attend(q[:, :, None, :], keys, values, mask, layer.scale, layer.softcap)[:, :, 0, :]
 
     def prefill(
         self,
@@ -189,9 +202,7 @@ class AttentionBackend:
         v: torch.Tensor,
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
-        scale: float,
-        sliding_window: int | None,
-        softcap: float | None,
+        layer: LayerAttention,
         out: torch.Tensor,
     ) -> None:
         """Attention of every prefill chunk of the step, into rows ``num_decode:`` of ``out [T, H, D]``
@@ -203,8 +214,29 @@ class AttentionBackend:
         through ``decode_kernel`` in one call (:meth:`prefill_rows`), the others through SDPA
         (:meth:`prefill_sdpa`)."""
         if meta.row_prefill_tokens:
-            self.prefill_rows(meta, q, k_cache, v_cache, scale, sliding_window, softcap, out)
-        self.prefill_sdpa(meta, q, k, v, k_cache, v_cache, scale, sliding_window, softcap, out)
+            self.prefill_rows(meta, q, k_cache, v_cache, layer, out)
+        self.prefill_sdpa(meta, q, k, v, k_cache, v_cache, layer, out)
+
+    def attend_with_sinks(
+        self,
+        meta: AttentionMetadata,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        layer: LayerAttention,
+    ) -> torch.Tensor:
+        """Attention ``[T, H, D]`` of the whole step for a layer with sink logits (``layer.sinks``):
+        the torch reference (:mod:`cbgen.model.kernels.reference.sinks`).  The plan picks this
+        backend for models with sinks (``ExecutionPlan.attention_why`` says so); a backend that
+        cannot attend with sinks raises instead of computing without them."""
+        if not self.attends_sinks:
+            raise NotImplementedError(
+                f"the model uses attention sinks, which the {self.name!r} attention backend does not implement"
+                + (" (parity mode, batch_invariant=True)" if self.name == "parity" else "")
+            )
+        return sinks_ref.paged_sink_attention(
+            meta, q, k_cache, v_cache, layer.scale, layer.sliding_window, layer.sinks
+        )
 
     def prefill_rows(
         self,
@@ -212,9 +244,7 @@ class AttentionBackend:
         q: torch.Tensor,
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
-        scale: float,
-        sliding_window: int | None,
-        softcap: float | None,
+        layer: LayerAttention,
         out: torch.Tensor,
     ) -> None:
         """The chunks laid out as decode rows (``AttentionMetadata.row_prefill_*``), one
@@ -227,9 +257,9 @@ class AttentionBackend:
             v_cache,
             meta.row_prefill_table,
             meta.row_prefill_lens,
-            scale,
-            sliding_window=sliding_window,
-            softcap=softcap,
+            layer.scale,
+            sliding_window=layer.sliding_window,
+            softcap=layer.softcap,
             max_seq_len=meta.row_prefill_max_len,
         )
 
@@ -241,9 +271,7 @@ class AttentionBackend:
         v: torch.Tensor,
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
-        scale: float,
-        sliding_window: int | None,
-        softcap: float | None,
+        layer: LayerAttention,
         out: torch.Tensor,
     ) -> None:
         """The chunks not laid out as rows, one SDPA call each (:func:`varlen.attend_loop`).  A
@@ -252,9 +280,7 @@ class AttentionBackend:
         first = meta.row_prefill_chunks
         if first < len(meta.prefills):
             table = meta.varlen.block_table[first:]
-            varlen.attend_loop(
-                meta.prefills[first:], q, k, v, k_cache, v_cache, table, scale, sliding_window, softcap, out
-            )
+            varlen.attend_loop(meta.prefills[first:], q, k, v, k_cache, v_cache, table, *layer[:3], out)
 
 
 def paged_attention_forward(
@@ -290,7 +316,12 @@ def paged_attention_forward(
     calls = meta.derived.get("attention_calls")
     if calls is not None:  # the start-up probe counts calls per layer (cbgen.model.support)
         calls.append(module.layer_idx)
-    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    layer = LayerAttention(
+        scaling if scaling is not None else query.shape[-1] ** -0.5,
+        sliding_window,
+        softcap,
+        kwargs.get("s_aux"),
+    )
     backend = meta.backend
     k_cache, v_cache = meta.kv_caches[module.layer_idx]
 
@@ -303,27 +334,18 @@ def paged_attention_forward(
             f"the config, holds {tuple(k_cache.shape[2:])}: layers with their own KV shapes are not supported"
         )
     backend.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-    sinks = kwargs.get("s_aux")
-    if sinks is not None:
-        if backend.name == "parity":
-            raise NotImplementedError(
-                f"{type(module).__name__} uses attention sinks, which parity mode (batch_invariant=True) "
-                "does not implement"
-            )
-        return sinks_ref.paged_sink_attention(meta, q, k_cache, v_cache, scale, sliding_window, sinks)[
-            None
-        ], None
+    if layer.sinks is not None:
+        return backend.attend_with_sinks(meta, q, k_cache, v_cache, layer)[None], None
 
     nd = meta.num_decode
     if not meta.prefills:
-        out = backend.decode(meta, q, k_cache, v_cache, scale, sliding_window, softcap)
-        return out[None], None
+        return backend.decode(meta, q, k_cache, v_cache, layer)[None], None
 
     # Contiguous, whatever q's strides: prefill kernels write row ranges of it in place.
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if nd:
-        out[:nd] = backend.decode(meta, q[:nd], k_cache, v_cache, scale, sliding_window, softcap)
-    backend.prefill(meta, q, k, v, k_cache, v_cache, scale, sliding_window, softcap, out)
+        out[:nd] = backend.decode(meta, q[:nd], k_cache, v_cache, layer)
+    backend.prefill(meta, q, k, v, k_cache, v_cache, layer, out)
     return out[None], None
 
 

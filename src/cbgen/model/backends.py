@@ -29,7 +29,7 @@ from collections.abc import Callable
 import torch
 
 from cbgen.batch_invariant import paged as parity_paged
-from cbgen.model.attention import AttentionBackend, AttentionMetadata, VarlenPrefill
+from cbgen.model.attention import AttentionBackend, AttentionMetadata, LayerAttention, VarlenPrefill
 from cbgen.model.kernels.cpu import ops as cpu_kernels
 from cbgen.model.kernels.reference import paged_ops
 
@@ -60,6 +60,7 @@ class ParityBackend(AttentionBackend):
     context was computed, cached or batched."""
 
     name = "parity"
+    attends_sinks = False
 
     def __init__(self) -> None:
         super().__init__()
@@ -71,9 +72,7 @@ class ParityBackend(AttentionBackend):
         q: torch.Tensor,
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
-        scale: float,
-        sliding_window: int | None,
-        softcap: float | None,
+        layer: LayerAttention,
     ) -> torch.Tensor:
         """Each decode row, at position ``seq_len - 1``, over its sequence's cached keys."""
         return parity_paged.attend_decode(
@@ -83,9 +82,7 @@ class ParityBackend(AttentionBackend):
             meta.decode_block_table,
             meta.decode_seq_lens,
             meta.decode_max_len,
-            scale,
-            sliding_window,
-            softcap,
+            *layer[:3],
             meta.derived,
         )
 
@@ -97,17 +94,13 @@ class ParityBackend(AttentionBackend):
         v: torch.Tensor,
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
-        scale: float,
-        sliding_window: int | None,
-        softcap: float | None,
+        layer: LayerAttention,
         out: torch.Tensor,
     ) -> None:
         """Every prefill chunk, its queries at positions ``ctx_len ..``, over its cached keys."""
         chunks = [(c.q_start, c.q_len, c.ctx_len) for c in meta.prefills]
         table = meta.varlen.block_table
-        parity_paged.attend_chunks(
-            q, k_cache, v_cache, chunks, table, scale, sliding_window, softcap, out, meta.derived
-        )
+        parity_paged.attend_chunks(q, k_cache, v_cache, chunks, table, *layer[:3], out, meta.derived)
 
 
 def _parity_store(
@@ -156,9 +149,7 @@ class KernelBackend(AttentionBackend):
         q: torch.Tensor,
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
-        scale: float,
-        sliding_window: int | None,
-        softcap: float | None,
+        layer: LayerAttention,
     ) -> torch.Tensor:
         """The step's decode rows through ``decode_kernel``."""
         return self.decode_kernel(
@@ -167,9 +158,9 @@ class KernelBackend(AttentionBackend):
             v_cache,
             meta.decode_block_table,
             meta.decode_seq_lens,
-            scale,
-            sliding_window=sliding_window,
-            softcap=softcap,
+            layer.scale,
+            sliding_window=layer.sliding_window,
+            softcap=layer.softcap,
             max_seq_len=meta.decode_max_len,
         )
 
@@ -207,9 +198,7 @@ class CpuBackend(KernelBackend):
         q: torch.Tensor,
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
-        scale: float,
-        sliding_window: int | None,
-        softcap: float | None,
+        layer: LayerAttention,
         out: torch.Tensor,
     ) -> None:
         """The short chunks' rows straight through the C kernel (no custom-op layer: prefill steps
@@ -218,7 +207,7 @@ class CpuBackend(KernelBackend):
         lo = meta.num_decode
         hi = lo + meta.row_prefill_tokens
         if q.dtype != k_cache.dtype or not cpu_kernels.supports(q.dtype):
-            super().prefill_rows(meta, q, k_cache, v_cache, scale, sliding_window, softcap, out)
+            super().prefill_rows(meta, q, k_cache, v_cache, layer, out)
             return
         rows = q[lo:hi]
         if rows.stride(2) != 1 or rows.stride(1) != rows.shape[2]:
@@ -229,9 +218,9 @@ class CpuBackend(KernelBackend):
             v_cache,
             meta.row_prefill_table,
             meta.row_prefill_lens,
-            scale,
-            int(sliding_window or 0),
-            float(softcap or 0.0),
+            layer.scale,
+            int(layer.sliding_window or 0),
+            float(layer.softcap or 0.0),
             out=out[lo:hi],
         )
 
@@ -274,7 +263,7 @@ class CpuBackend(KernelBackend):
                 out=out[:nd],
             )
         k3, v3 = k.view(tokens, -1, head_dim), v.view(tokens, -1, head_dim)
-        self.prefill(meta, q3, k3, v3, k_cache, v_cache, scale, window or None, None, out)
+        self.prefill(meta, q3, k3, v3, k_cache, v_cache, LayerAttention(scale, window or None), out)
         return out
 
 
@@ -296,13 +285,11 @@ class TritonBackend(KernelBackend):
         v: torch.Tensor,
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
-        scale: float,
-        sliding_window: int | None,
-        softcap: float | None,
+        layer: LayerAttention,
         out: torch.Tensor,
     ) -> None:
         """Every chunk in one Triton varlen kernel launch, straight into ``out``."""
-        _varlen_into(_triton_varlen, meta, q, k_cache, v_cache, scale, sliding_window, softcap, out)
+        _varlen_into(_triton_varlen, meta, q, k_cache, v_cache, layer, out)
 
 
 class FlashAttnBackend(KernelBackend):
@@ -332,16 +319,14 @@ class FlashAttnBackend(KernelBackend):
         v: torch.Tensor,
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
-        scale: float,
-        sliding_window: int | None,
-        softcap: float | None,
+        layer: LayerAttention,
         out: torch.Tensor,
     ) -> None:
         """Every chunk in one varlen call (see ``varlen_kernel``)."""
         if self.varlen_kernel is None:
-            super().prefill(meta, q, k, v, k_cache, v_cache, scale, sliding_window, softcap, out)
+            super().prefill(meta, q, k, v, k_cache, v_cache, layer, out)
             return
-        _varlen_into(self.varlen_kernel, meta, q, k_cache, v_cache, scale, sliding_window, softcap, out)
+        _varlen_into(self.varlen_kernel, meta, q, k_cache, v_cache, layer, out)
 
     def check_geometry(self, block_size: int, head_dim: int) -> None:
         """flash-attn's paged cache needs ``block_size`` a multiple of 256, and ``head_dim`` at most
@@ -364,9 +349,7 @@ def _varlen_into(
     q: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
-    scale: float,
-    sliding_window: int | None,
-    softcap: float | None,
+    layer: LayerAttention,
     out: torch.Tensor,
 ) -> None:
     """All prefill chunks through one varlen ``kernel`` call (``_triton_varlen``'s signature, the
@@ -374,7 +357,7 @@ def _varlen_into(
     if meta.row_prefill_tokens:
         raise ValueError("a varlen prefill kernel got chunks laid out as decode rows (row_prefill_max > 0)")
     nd = meta.num_decode
-    kernel(q[nd:], k_cache, v_cache, meta.varlen, scale, sliding_window, softcap, out[nd:])
+    kernel(q[nd:], k_cache, v_cache, meta.varlen, layer, out[nd:])
 
 
 def _triton_varlen(
@@ -382,9 +365,7 @@ def _triton_varlen(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     info: VarlenPrefill,
-    scale: float,
-    sliding_window: int | None,
-    softcap: float | None,
+    layer: LayerAttention,
     out: torch.Tensor,
 ) -> None:
     from cbgen.model.kernels.triton import prefill as triton_prefill
@@ -396,9 +377,7 @@ def _triton_varlen(
         info.block_table,
         info.cu_seqlens_q,
         info.seq_lens_k,
-        scale,
-        sliding_window,
-        softcap,
+        *layer[:3],
         max_q_len=info.max_q_len,
         out=out,
     )
@@ -409,9 +388,7 @@ def _flash_varlen(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     info: VarlenPrefill,
-    scale: float,
-    sliding_window: int | None,
-    softcap: float | None,
+    layer: LayerAttention,
     out: torch.Tensor,
 ) -> None:
     from cbgen.model.kernels.flash import ops as flash_ops
@@ -424,9 +401,7 @@ def _flash_varlen(
             info.block_table,
             info.cu_seqlens_q,
             info.cu_seqlens_k,
-            scale,
-            sliding_window,
-            softcap,
+            *layer[:3],
             max_q_len=info.max_q_len,
             max_k_len=info.max_k_len,
         )

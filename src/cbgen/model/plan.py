@@ -219,6 +219,10 @@ def resolve_plan(
     attention, attention_why = backend_choice(
         config.attention_backend, device, dtype, block_size=config.block_size, head_dim=head_dim
     )
+    if _has_sinks(model):
+        attention_why += (
+            "; layers with attention sinks through the backend's torch reference (attend_with_sinks)"
+        )
     backend = make_backend(attention, device)
     decode_mode, decode_mode_why = decode_mode_choice(config.decode_mode, device, config.compile, backend)
     decode_mode, decode_mode_why = _unpadded_for_length_rotary(model, config, decode_mode, decode_mode_why)
@@ -486,3 +490,8 @@ def cache_layout(model: nn.Module, dtype: torch.dtype, block_size: int) -> Cache
             f"{type(model).__name__}'s cache is {layout.describe()}: cbgen's attention backends take one kv group"
         )
     return layout
+
+
+def _has_sinks(model: nn.Module) -> bool:
+    """Whether an attention module of ``model`` holds sink logits (gpt-oss's ``sinks``)."""
+    return any(isinstance(getattr(m, "sinks", None), torch.Tensor) for m in model.modules())
