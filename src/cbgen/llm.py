@@ -110,13 +110,15 @@ class LLM:
         self.engine.on_abort = _file_into(self._finished)
         self._paused = False
 
-    def __del__(self) -> None:
+    def __del__(self, _finalizing=sys.is_finalizing) -> None:
         # glibc keeps freed heap memory for reuse (blocks under its mmap threshold, up to 32 MB, are
         # not unmapped): after `del llm` no tensor was alive but a process with SmolLM2 stayed
         # ~0.9 GB above its size before the LLM, until malloc_trim gave back all but ~60 MB.
         # What this LLM holds (engine, KV cache, a model it loaded) is dropped first: its attributes
         # would otherwise be freed only after this method returns, too late for the trim.
-        if sys.is_finalizing():  # the process is ending: the OS takes it all back
+        # (The check is bound at definition: at interpreter exit module globals such as ``sys`` may
+        # already be None when this runs.)
+        if _finalizing():  # the process is ending: the OS takes it all back
             return
         with contextlib.suppress(Exception):  # a finalizer must not raise
             self.__dict__.clear()

@@ -192,6 +192,22 @@ def test_c_decode_step_per_row_class(monkeypatch) -> None:
     assert got[2] == hf_greedy(model, prompts[2], 10)
 
 
+def test_the_amx_row_limit_is_a_plan_decision(monkeypatch) -> None:
+    """A row class whose GEMM is AMX runs the one-call C step only when no decode step can have more
+    rows than the AMX kernel takes (max_num_seqs); the step itself no longer checks."""
+    from types import SimpleNamespace
+
+    from cbgen.model.cpu_fast import fused_forward
+
+    model = make_model("llama", **WIDE)
+    monkeypatch.setattr(fused_forward, "_c_step_gemm_reason", lambda modules, gemm: None)
+    amx = SimpleNamespace(for_class=lambda name: SimpleNamespace(name="amx"))
+    classes, _ = fused_forward.c_step_classes(model, amx, max_rows=256)
+    assert classes == frozenset(gemm_choice.ROW_CLASSES)
+    classes, why = fused_forward.c_step_classes(model, amx, max_rows=gemm_choice.AMX_MAX_ROWS + 1)
+    assert classes == frozenset() and f"AMX kernel's {gemm_choice.AMX_MAX_ROWS} rows" in why
+
+
 def test_a_hook_re_resolves_the_plan_before_the_step(caplog) -> None:
     """A hook reaches no weight fingerprint: the guard before each step re-resolves the plan (logged),
     the step runs the module forward, and removing the hook brings the fused forward back."""

@@ -73,6 +73,8 @@ class CachePools:
         self.slots = slots
         self.stats = pools[0].stats
         self._single = len(pools) == 1 and slots is None
+        # The one pool of a single-group cache: the calls made per request and step go straight to it.
+        self._only = self.pools[0] if self._single else None
         # Prefix hits cover whole blocks of every group: a multiple of every block size.
         self._hit_unit = math.lcm(*(p.block_size for p in pools))
 
@@ -118,6 +120,9 @@ class CachePools:
 
     def fits(self, num_tokens: int) -> bool:
         """Whether one request of ``num_tokens`` tokens fits in an empty cache."""
+        only = self._only
+        if only is not None:
+            return only.blocks_needed(num_tokens) <= only.num_blocks
         return all(p.blocks_needed(num_tokens) <= p.num_blocks for p in self.pools)
 
     def describe_need(self, num_tokens: int) -> str:
@@ -182,10 +187,11 @@ class CachePools:
         """Blocks in every group for ``num_computed_tokens + num_new_tokens`` tokens, and a state slot
         if the request has none; ``hit`` (first schedule only) is taken as the computed prefix.
         Returns False, changing nothing, when a pool or the slots are short."""
-        if self._single:
+        only = self._only
+        if only is not None:
             if hit is None:
-                return self.pools[0].allocate(request, num_new_tokens)
-            return self.pools[0].allocate(request, num_new_tokens, hit.blocks[0], hit.partial)
+                return only.allocate(request, num_new_tokens)
+            return only.allocate(request, num_new_tokens, hit.blocks[0], hit.partial)
         self._size_tables(request)
         cached = hit.blocks if hit is not None else [()] * len(self.pools)
         computed = request.num_computed_tokens + (hit.tokens if hit is not None else 0)

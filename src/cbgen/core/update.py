@@ -119,13 +119,17 @@ def apply_sampled(
                 update.copies += forked.blocks
                 if forked.state is not None:
                     update.state_copies.append(forked.state)
-    failed, runs, rejected = sampled.failed, sampled.runs, sampled.rejected
+    tokens, failed, runs, rejected = sampled.token_ids, sampled.failed, sampled.runs, sampled.rejected
+    logprobs, raw, kept_mass = sampled.logprobs, sampled.raw_logprobs, sampled.log_kept_mass
+    kept_counts, kept_thresholds = sampled.kept_counts, sampled.kept_thresholds
+    top_ids, top_lps = sampled.top_ids, sampled.top_logprobs
     now = time.monotonic()
-    at = 0  # the row's first entry in the per-token fields
-    # Runs for every sampled sequence every step: each attribute is read once.
+    end = 0  # past the row's last entry in the per-token fields
+    # Runs for every sampled sequence every step: each attribute is read once, and the tokens of a
+    # run are committed in the loop itself (a call per token showed in the overhead workload).
     for i, r in enumerate(requests):
-        n = 1 if runs is None else runs[i]
-        start, at = at, at + n
+        start = end
+        end += 1 if runs is None else runs[i]
         if rejected is not None and rejected[i]:
             rollback(scheduler, r, rejected[i])
         if r.draft_token_ids:
@@ -138,48 +142,34 @@ def apply_sampled(
             continue
         if r.first_token_time is None:
             r.first_token_time = now
-        for j in range(start, start + n):
-            status = _commit(r, sampled, i, j, max_model_len, stop_string)
+        for j in range(start, end):
+            token = tokens[j]
+            r.append_token(token)
+            r.token_logprobs.append(logprobs[j])
+            r.raw_logprobs.append(raw[j])
+            r.log_kept_mass.append(kept_mass[j])
+            if kept_counts:
+                r.kept_counts.append(kept_counts[j])
+                r.kept_thresholds.append(kept_thresholds[j])
+            else:
+                r.kept_counts.append(0)
+                r.kept_thresholds.append(-math.inf)
+            if r.top_logprobs is not None and top_ids is not None:
+                k = r.params.logprobs or 0
+                # Candidates cut by truncation carry -inf: they were never possible, so leave them out.
+                pairs = zip(top_ids[j][:k], top_lps[j][:k])
+                r.top_logprobs.append({t: lp for t, lp in pairs if lp > -math.inf})
             update.num_generated += 1
+            status = stop_status(r, token, max_model_len, stop_string)
             if status is not None:
                 if not r.pending:
                     # Its blocks stay findable once freed: a prompt that ends at its first token
                     # (max_tokens=1, scoring) would otherwise never serve the prompts that share it.
                     scheduler.block_manager.cache_computed_blocks(r)
                 update.ended += finish(scheduler, r, status)
-                break
+                break  # the rest of the run is dropped (its blocks went with the request)
     publish(scheduler, crossed)
     return update
-
-
-def _commit(
-    r: Request,
-    sampled: SampledTokens,
-    row: int,
-    j: int,
-    max_model_len: int,
-    stop_string: StopStringCheck | None,
-) -> RequestStatus | None:
-    """Appends entry ``j`` of ``sampled`` (a token of row ``row``'s run) to ``r``; returns the
-    terminal status it puts ``r`` in, or None."""
-    token = sampled.token_ids[j]
-    r.append_token(token)
-    r.token_logprobs.append(sampled.logprobs[j])
-    r.raw_logprobs.append(sampled.raw_logprobs[j])
-    r.log_kept_mass.append(sampled.log_kept_mass[j])
-    if sampled.kept_counts:
-        r.kept_counts.append(sampled.kept_counts[j])
-        r.kept_thresholds.append(sampled.kept_thresholds[j])
-    else:
-        r.kept_counts.append(0)
-        r.kept_thresholds.append(-math.inf)
-    top_ids = sampled.top_ids
-    if r.top_logprobs is not None and top_ids is not None:
-        k = r.params.logprobs or 0
-        # Candidates cut by truncation carry -inf: they were never possible, so leave them out.
-        pairs = zip(top_ids[j][:k], sampled.top_logprobs[j][:k])
-        r.top_logprobs.append({t: lp for t, lp in pairs if lp > -math.inf})
-    return stop_status(r, token, max_model_len, stop_string)
 
 
 def rollback(scheduler: Scheduler, r: Request, num_positions: int) -> None:

@@ -206,9 +206,8 @@ class CpuBackend(KernelBackend):
         fused path's views; transformers' usually) and writing into ``out``."""
         lo = meta.num_decode
         hi = lo + meta.row_prefill_tokens
-        if q.dtype != k_cache.dtype or not cpu_kernels.supports(q.dtype):
-            super().prefill_rows(meta, q, k_cache, v_cache, layer, out)
-            return
+        # No other way in for a dtype the C kernel does not take: the plan gives such models the
+        # torch backend, and the kernel refuses a query and cache of different dtypes.
         rows = q[lo:hi]
         if rows.stride(2) != 1 or rows.stride(1) != rows.shape[2]:
             rows = rows.contiguous()

@@ -230,7 +230,7 @@ def resolve_plan(
     gemms, shapes, c_step, c_step_why = None, (), frozenset(), "not with the module forward"
     if forward == "fused":
         gemms, shapes = _gemms(model, config.prepack_weights, previous)
-        c_step, c_step_why = fused_forward.c_step_classes(model, gemms)
+        c_step, c_step_why = fused_forward.c_step_classes(model, gemms, config.max_num_seqs)
     greedy, greedy_why = _greedy_choice(device, dtype)
     sampled_rows, sampled_rows_why = _sampled_rows_choice(device)
     loops, loops_why = _decode_loops(model, config, dtype, attention, cache, previous)

@@ -140,10 +140,19 @@ class ModelRunner:
         # Parity mode's packed weights, made on first use and dropped on a weight change.
         self.parity_packs = WeightPacks(self.model) if plan.parity else None
         self.direct: ParityDirectForward | None = None
+        # The one forward every step runs until the next plan: chosen here, never per step.  Kept
+        # as the class's function, not a bound method: that would be a reference cycle through the
+        # runner, and an engine in a cycle keeps its cache until the cycle collector runs.
+        self._step: Callable[[ModelRunner, ModelInput, attention.AttentionMetadata], torch.Tensor]
         if plan.forward == "fused":
             self.fused = FusedDecoder(self.model, self.attn_backend, plan.gemms, plan.c_step)
+            self._step = ModelRunner._fused_step
         elif plan.forward == "direct":
             self.direct = ParityDirectForward(self.model, self.parity_packs)
+            self._step = ModelRunner._direct_step
+        else:
+            # Fixed-shape decode (padded buffers, CUDA graphs) wraps the module forward.
+            self._step = ModelRunner._static_step if self.static is not None else ModelRunner._module_step
 
     def direct_check_done(self, passed: bool | None) -> None:
         """Records the start-up check of the parity plan's direct forward (None: the cache was too
@@ -278,24 +287,41 @@ class ModelRunner:
             # weight fingerprint, and a fused step over them would compute the wrong thing.
             self._replan("the model's modules, hooks or weight storage changed")
         with self._rotary_view(batch):
-            return self._execute(batch, meta)
+            return self._step(self, batch, meta)
 
-    def _execute(self, batch: ModelInput, meta: attention.AttentionMetadata) -> torch.Tensor:
-        if self.fused is not None:
-            # No module view: the fused path calls no module whose result depends on the attention
-            # setting or on training mode (it computes the eval-mode math itself), and the view's
-            # training check walks every module of the model (~1 ms a step for 30 layers).
-            return self.fused.forward(batch.input_ids, batch.positions, batch.logits_indices, meta)
-        if self.direct is not None:
-            # The parity plan's direct forward (cbgen.batch_invariant.direct_forward): like the
-            # fused one, it calls no module whose result depends on the attention setting or on
-            # training mode, and it runs the parity kernels itself.
-            with attention.step_metadata(meta):
-                return self.direct.forward(batch.input_ids, batch.positions, batch.logits_indices, meta)
+    def _fused_step(self, batch: ModelInput, meta: attention.AttentionMetadata) -> torch.Tensor:
+        # No module view: the fused path calls no module whose result depends on the attention
+        # setting or on training mode (it computes the eval-mode math itself), and the view's
+        # training check walks every module of the model (~1 ms a step for 30 layers).
+        return self.fused.forward(batch.input_ids, batch.positions, batch.logits_indices, meta)
+
+    def _direct_step(self, batch: ModelInput, meta: attention.AttentionMetadata) -> torch.Tensor:
+        # The parity plan's direct forward (cbgen.batch_invariant.direct_forward): like the fused
+        # one, it calls no module whose result depends on the attention setting or on training
+        # mode, and it runs the parity kernels itself.
+        with attention.step_metadata(meta):
+            return self.direct.forward(batch.input_ids, batch.positions, batch.logits_indices, meta)
+
+    def _module_step(self, batch: ModelInput, meta: attention.AttentionMetadata) -> torch.Tensor:
         with self._module_view(), self._parity_ops():
-            if self.static is not None and self.static.can_run(batch):
-                return self.static.run(batch)
             return self._forward(batch.input_ids, batch.positions, batch.logits_indices, meta)
+
+    def _static_step(self, batch: ModelInput, meta: attention.AttentionMetadata) -> torch.Tensor:
+        """The module forward, through the padded decode buffers (graphs) where the step fits them."""
+        if not self.static.can_run(batch):
+            return self._module_step(batch, meta)
+        with self._module_view(), self._parity_ops():
+            return self.static.run(batch)
+
+    @contextlib.contextmanager
+    def module_forward(self) -> Iterator[None]:
+        """Runs the module forward for the steps inside (the direct forward's start-up check
+        compares the two on the same steps)."""
+        saved, self._step = self._step, ModelRunner._module_step
+        try:
+            yield
+        finally:
+            self._step = saved
 
     def weights_changed(self) -> None:
         """Called on every weight change the engine notices: re-resolves the plan when the model's

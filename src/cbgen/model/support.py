@@ -293,11 +293,8 @@ def check_direct_forward(target: StartupTarget) -> bool | None:
     direct = paged_probe_logits(target)
     if direct is None:
         return None
-    saved, runner.direct = runner.direct, None
-    try:
+    with runner.module_forward():
         module = paged_probe_logits(target)
-    finally:
-        runner.direct = saved
     return all(torch.equal(a, b) for a, b in zip(direct, module))
 
 

@@ -149,16 +149,20 @@ def choose_gemms(model: nn.Module, prepack: bool) -> GemmPlan:
     return gemm_choice.choose(modules.dtype, shapes, make_layers)
 
 
-def c_step_classes(model: nn.Module, gemms: GemmPlan) -> tuple[frozenset[str], str]:
+def c_step_classes(model: nn.Module, gemms: GemmPlan, max_rows: int) -> tuple[frozenset[str], str]:
     """The row classes whose decode-only steps run as one C call (``csrc/cpu_decoder.c``), and why
-    the others do not, for a model the fused forward runs with ``gemms``."""
+    the others do not, for a model the fused forward runs with ``gemms`` on decode steps of at most
+    ``max_rows`` rows (``max_num_seqs``)."""
     modules = ModelModules.of(model)
     reason = _c_step_model_reason(modules)
     if reason is not None:
         return frozenset(), reason
     refused = {}
     for name in ROW_CLASSES:
-        why = _c_step_gemm_reason(modules, gemms.for_class(name).name)
+        gemm = gemms.for_class(name).name
+        why = _c_step_gemm_reason(modules, gemm)
+        if why is None and gemm == "amx" and max_rows > AMX_MAX_ROWS:
+            why = f"max_num_seqs={max_rows} allows decode steps past the AMX kernel's {AMX_MAX_ROWS} rows"
         if why is not None:
             refused[name] = why
     classes = frozenset(c for c in ROW_CLASSES if c not in refused)
@@ -300,8 +304,6 @@ class FusedDecoder:
         if gemm_choice.row_class(rows) not in self._c_step:
             return None
         gemm = linear.plan.for_rows(rows).name
-        if gemm == "amx" and rows > AMX_MAX_ROWS:
-            return None  # the AMX kernel's row limit: PackedLinears hands such rows to torch's GEMM
         key = (
             id(modules),
             id(linear),
