@@ -50,7 +50,7 @@ from cbgen.sample.prompt_logprobs import record_prompt_logprobs
 from cbgen.sample.sampler import Sampler
 from cbgen.sample.structured import StructuredOutputs
 from cbgen.sampling_params import SamplingParams
-from cbgen.step import Applied, InFlight, LaunchedStep, StepPlan, StepResult, sum_times
+from cbgen.step import Applied, BlockCopies, InFlight, LaunchedStep, StepPlan, StepResult, sum_times
 from cbgen.topology import topology_of
 
 logger = logging.getLogger("cbgen")
@@ -416,7 +416,7 @@ class Engine:
             return nxt
         return self._schedule(nxt.copies if nxt is not None else [])
 
-    def _schedule(self, copies: list[tuple[int, int]]) -> StepPlan:
+    def _schedule(self, copies: BlockCopies) -> StepPlan:
         """Schedules and builds a step; it carries ``copies`` (fork copies of steps applied before it)
         and its own partial prefix hits.  Requests that can never be scheduled end here."""
         t0 = time.perf_counter()
@@ -459,7 +459,7 @@ class Engine:
         launched.times["sample"] = time.perf_counter() - t
         return launched
 
-    def _sample_ahead(self, launched: LaunchedStep, copies: list[tuple[int, int]]) -> InFlight:
+    def _sample_ahead(self, launched: LaunchedStep, copies: BlockCopies) -> InFlight:
         """Overlap scheduling: mark this step's tokens pending, schedule and build the next step
         around them (it carries ``copies``), then sample this one (the device has been busy with its
         forward all along)."""

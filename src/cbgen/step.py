@@ -12,16 +12,18 @@ from dataclasses import dataclass, field
 
 import torch
 
+from cbgen.core.cache_pools import BlockCopy
 from cbgen.core.scheduler import SchedulerOutput
 from cbgen.core.update import SampledTokens
 from cbgen.model.input_batch import ModelInput
+from cbgen.model.kv_cache import StateCopy
 from cbgen.outputs import RequestOutput
 from cbgen.request import Request, RequestGroup
 from cbgen.sample.sampler import SamplerOutput
 
 __all__ = ["Applied", "InFlight", "LaunchedStep", "StepPlan", "StepResult", "sum_times"]
 
-BlockCopies = list[tuple[int, int]]  # (src, dst) KV blocks
+BlockCopies = list[BlockCopy | StateCopy]  # KV blocks of a cache group, or a sequence's state
 
 
 @dataclass

@@ -178,8 +178,8 @@ class KVCache:
         self.states = {}
 
     def copy_blocks(self, copies: list) -> None:
-        """Performs block copies (``BlockCopy(src, dst, group)``, or ``(src, dst)`` pairs of group 0:
-        copy-on-fork for n > 1 samples, partial prefix hits) and state copies (``StateCopy``)."""
+        """Performs block copies (``BlockCopy(src, dst, group)``: copy-on-fork for n > 1 samples,
+        partial prefix hits) and state copies (``StateCopy``)."""
         if not copies:
             return
         groups = self.layout.kv_groups
@@ -189,7 +189,7 @@ class KVCache:
             if isinstance(c, StateCopy):
                 states.append((c.src, c.dst))
             else:
-                by_group.setdefault(c[2] if len(c) > 2 else 0, []).append((c[0], c[1]))
+                by_group.setdefault(c.group, []).append((c.src, c.dst))
         with torch.inference_mode():
             for group, pairs in by_group.items():
                 src, dst = self._indices(pairs)
