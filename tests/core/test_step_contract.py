@@ -41,7 +41,7 @@ def two_group_layout(block_sizes: tuple[int, int], state: bool) -> CacheLayout:
         CacheGroup("kv", (2,), F32, num_kv_heads=1, k_head_dim=16, v_head_dim=4, block_size=block_sizes[1]),
     ]
     if state:
-        groups.append(CacheGroup("state", (4,), F32, state_shapes=((2,),)))
+        groups.append(CacheGroup("state", (4,), F32, state_shapes=((2,),), name="recurrent0"))
     return CacheLayout(tuple(groups), shared=((3, 0),))
 
 
@@ -104,7 +104,7 @@ class CacheDriver(RunDriver):
                 flat_k[meta["slots"][g]] = values[:, None, None] * (layer + 1)
                 flat_v[meta["slots"][g]] = positions.to(F32)[:, None, None]
         if meta["state_slots"] is not None:
-            state = self.cache.states[4]
+            state = self.cache.states[("recurrent0", 4)]
             for i, (_, n) in enumerate(batch.rows):
                 slot = int(meta["state_slots"][i])
                 start = int(batch.q_starts[i])
@@ -132,7 +132,7 @@ class CacheDriver(RunDriver):
             )
             assert torch.equal(v[table[pos // bs], pos % bs][:, 0, 0], pos.to(F32))
         if meta["state_slots"] is not None and length == int(batch.seq_lens[row]):
-            sum_, count = self.cache.states[4][int(meta["state_slots"][row])].tolist()
+            sum_, count = self.cache.states[("recurrent0", 4)][int(meta["state_slots"][row])].tolist()
             assert (sum_, count) == (float(sum(want)), float(length)), (r.request_id, sum_, count)
         return [int(t) for t in want]
 
@@ -200,7 +200,7 @@ def test_the_cache_is_laid_out_per_group() -> None:
     assert cache.layers[0][0].shape == (11, 4, 2, 8) and cache.layers[1][1].shape == (11, 4, 2, 8)
     assert cache.layers[2][0].shape == (11, 8, 1, 16) and cache.layers[2][1].shape == (11, 8, 1, 4)
     assert cache.layers[3] is cache.layers[0] and cache.layers[4] is None
-    assert cache.states[4].shape == (4, 2)
+    assert cache.states[("recurrent0", 4)].shape == (4, 2)
     per_block = 2 * 4 * 2 * (8 + 8) * 4 + 1 * 8 * 1 * (16 + 4) * 4
     assert cache.nbytes == 11 * per_block + 4 * 2 * 4
     with torch.inference_mode():

@@ -43,11 +43,20 @@ def test_a_layer_that_mixes_tokens_outside_attention_is_refused_naming_it():
 def test_verify_model_false_skips_the_probe_only():
     model = _with_token_shift(make_model("llama"), layer=0)
     LLM(model, block_size=8, verify_model=False)  # the user's call: no refusal
-    mamba = transformers.MambaForCausalLM(
-        transformers.MambaConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, state_size=4)
+    # A recurrent model whose attention bypasses the interface is refused statically, not by the probe.
+    recurrent = transformers.RecurrentGemmaForCausalLM(
+        transformers.RecurrentGemmaConfig(
+            vocab_size=64,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            lru_width=32,
+            attention_window_size=16,
+        )
     )
-    with pytest.raises(UnsupportedModelError, match="not softmax attention"):
-        LLM(mamba, verify_model=False)
+    with pytest.raises(UnsupportedModelError, match="attention interface"):
+        LLM(recurrent, verify_model=False)
 
 
 def test_encoder_decoder_is_refused():

@@ -19,6 +19,15 @@ blocks); the rest are queued on their own and run in later waves from the cached
 A request whose tokens need more blocks than the whole pool fails with a reason instead of
 preempting itself forever.
 
+Models with state layers (``prefill_align`` set, :mod:`cbgen.model.state_cache`) chunk by one more
+rule, :meth:`Scheduler.span`: a prompt chunk that does not finish the prompt ends at a multiple of
+``prefill_align`` (their mixers' chunk size, so each chunk computes what ``generate()``'s one-piece
+prefill does; 0: the prompt goes in one piece, for models that cannot continue a multi-token
+forward), and tokens past the prompt (generated ones, recomputed after a preemption) go one per
+step, in the decode form ``generate()`` computed them in.  When the budget left holds no whole
+aligned chunk, a prompt still takes one chunk of up to ``prefill_align`` tokens (its whole rest with
+0), so a step can pass the budget rather than leave prompts waiting behind decodes.
+
 Two policies sit on top, each in its own module: jobs, pauses and fairness
 (:mod:`cbgen.core.fairness`: with ``Scheduler.fairness`` set, jobs are served least attained
 service first instead of first come, first served), and cache-aware admission
@@ -73,6 +82,7 @@ class Scheduler:
         max_num_batched_tokens: int,
         max_num_seqs: int,
         fairness: Fairness | None = None,
+        prefill_align: int | None = None,
     ) -> None:
         # Every cache group's pool (a lone BlockManager is the one-group cache).
         if isinstance(block_manager, BlockManager):
@@ -80,6 +90,8 @@ class Scheduler:
         self.block_manager = block_manager
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
+        # State layers' chunk rule (see the module docstring; 0: a prompt in one piece); None: none.
+        self.prefill_align = prefill_align
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.stats = block_manager.stats  # one record for the whole engine
@@ -185,6 +197,23 @@ class Scheduler:
         self.stats.prompt_tokens_computed += out.num_prompt_tokens
         return out
 
+    def span(self, request: Request, start: int, budget: int) -> int:
+        """Tokens of ``request`` to compute from token ``start`` on within ``budget`` (0: none this
+        step); the one place chunk sizes are decided."""
+        num = min(request.num_tokens - start, budget)
+        align = self.prefill_align
+        if align is None:
+            return num
+        prompt = request.num_prompt_tokens
+        if start >= prompt:
+            return min(num, 1)
+        end = min(prompt, start + num)
+        if end < prompt:
+            end = end - end % align if align else start
+            if end <= start:
+                end = min(prompt, start - start % align + align) if align else prompt
+        return end - start
+
     def preempt(self, request: Request, out: SchedulerOutput) -> None:
         """Frees the blocks of ``request`` (already out of ``running``) and requeues it at the front,
         to be recomputed."""
@@ -223,7 +252,7 @@ class Scheduler:
             if request.pending and request.num_output_tokens + 1 >= request.max_tokens:
                 i += 1  # its last token is in flight and ends it: nothing left to compute
                 continue
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            num_new = self.span(request, request.num_computed_tokens, budget)
             if request.draft_token_ids:
                 num_new = self._with_drafts(request, num_new, budget)
             if not bm.fits(request.num_computed_tokens + num_new):
@@ -301,7 +330,7 @@ class Scheduler:
             hit = bm.match_prefix(request)
             if computing.holds_back(request, hit.num_blocks):
                 continue
-            first_chunk = hit.tokens + min(request.num_tokens - hit.tokens, budget)
+            first_chunk = hit.tokens + self.span(request, hit.tokens, budget)
             fits = bm.fits(first_chunk)
             placed = self._allocate_first(out, request, budget, evict) if fits else None
             if placed is None:
@@ -331,7 +360,7 @@ class Scheduler:
             hit = bm.match_partial(request, bm.match_prefix(request))
             partial = hit.partial
             num_cached_tokens = hit.tokens + (partial[1] if partial else 0)
-            num_new = min(request.num_tokens - num_cached_tokens, budget)
+            num_new = self.span(request, num_cached_tokens, budget)
             if bm.allocate(request, num_new, hit):
                 if partial is not None:
                     out.copies.append(BlockCopy(partial[0], request.block_ids[hit.num_blocks]))

@@ -206,21 +206,26 @@ def stop_status(
 def fork_follower(scheduler: Scheduler, follower: Request) -> ForkCopies | None:
     """Starts an n>1 sample off its leader's computed prompt; returns the copies it needs.
 
-    Full prompt blocks are shared; the partial last one is copied.  When that is not possible (no
-    seat reserved for it, no free block for the copy, or the leader lost its prompt's K/V to a
-    preemption) the sample is queued on its own instead and recomputes the prompt, usually from the
-    prefix cache."""
+    Full prompt blocks are shared; the partial last one is copied, and so is the leader's state slot
+    (models with state layers).  When that is not possible (no seat reserved for it, no free block
+    or slot for the copy, the leader lost its prompt's K/V to a preemption, or its state already
+    holds its first sampled token) the sample is queued on its own instead and recomputes the
+    prompt, usually from the prefix cache."""
     leader = follower.leader
     assert leader is not None, follower.request_id
     leader.followers.remove(follower)
     follower.leader = None
     seated = leader.fork_seats > 0
     leader.fork_seats -= seated
-    if seated and leader.num_computed_tokens >= leader.num_prompt_tokens:
+    pools = scheduler.block_manager
+    # A state is the whole prefix's: the leader's is the prompt's only until its first sampled token
+    # is computed (overlap scheduling may already have done that).
+    prompt_state = pools.slots is None or leader.num_computed_tokens == leader.num_prompt_tokens
+    if seated and leader.num_computed_tokens >= leader.num_prompt_tokens and prompt_state:
         try:
             # The prompt only: with overlap scheduling the leader may already have computed its
             # first sampled token, which is not the follower's.
-            copies = scheduler.block_manager.fork(leader, follower, leader.num_prompt_tokens)
+            copies = pools.fork(leader, follower, leader.num_prompt_tokens)
         except MemoryError:
             pass
         else:

@@ -299,7 +299,28 @@ def paged_attention_forward(
     through its backend.
 
     ``query`` is ``[1, H, T, D]``, ``key``/``value`` ``[1, Hkv, T, D]``.  Returns ``[1, T, H, D]``.
+    A batch of one-token rows ``[B, H, 1, D]`` (a state model's decode forward,
+    :mod:`cbgen.model.state_pieces`) is attended as the packed ``[1, H, B, D]`` and returned as
+    ``[B, 1, H, D]``.
     """
+    if query.shape[0] != 1:
+        if query.shape[2] != 1:
+            raise ValueError(
+                f"cbgen's paged attention takes one packed row or a batch of one-token rows, got {tuple(query.shape)}"
+            )
+        out, _ = paged_attention_forward(
+            module,
+            query.transpose(0, 2),
+            key.transpose(0, 2),
+            value.transpose(0, 2),
+            attention_mask,
+            scaling,
+            dropout,
+            sliding_window,
+            softcap,
+            **kwargs,
+        )
+        return out.transpose(0, 1), None
     meta: AttentionMetadata | None = kwargs.get("cbgen_meta")
     if meta is None:
         meta = CURRENT_META.get()
@@ -323,6 +344,11 @@ def paged_attention_forward(
         kwargs.get("s_aux"),
     )
     backend = meta.backend
+    if getattr(module, "layer_idx", None) is None:
+        raise NotImplementedError(
+            f"{type(module).__name__} has no layer index of its own (an attention block shared by several "
+            "layers, told its layer per call): cbgen's paged cache finds a layer's keys and values by it"
+        )
     k_cache, v_cache = meta.kv_caches[module.layer_idx]
 
     q = query[0].transpose(0, 1)  # [T, H, D]

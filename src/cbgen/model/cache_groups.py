@@ -6,15 +6,21 @@ A group is a set of layers whose cache entries share one shape:
   (they may differ: latent attention) and block size; one block pool each
   (:class:`cbgen.core.block_manager.BlockManager`), one block table per request;
 * ``state``: a fixed-size state per sequence and layer (a recurrent or convolution state), one slot
-  per running sequence (:class:`cbgen.core.slots.SlotPool`).
+  per running sequence (:class:`cbgen.core.slots.SlotPool`).  Each state group is one *named*
+  state (``conv0``, ``recurrent0``: what transformers' cache calls the conv and recurrent state
+  ``state_idx``) in one dtype; a layer may hold several (a convolution and a recurrent state), and a
+  layer of a kv group may hold states too (Falcon-H1's attention and Mamba2 in one layer).
 
 Layers that read another layer's keys and values instead of writing their own belong to no group
 and are listed in ``shared`` (reader, producer).
 
-Every model cbgen runs today has one ``kv`` group over all its layers (one head size, what the config
-says); the layout is the contract the model families that need more (hybrid state-space models,
-per-layer head sizes, KV-sharing layers) extend, and the scheduler, block pools, input builder and
-KV cache already take any number of groups (``tests/model/test_cache_groups.py``).
+Attention-only models have one ``kv`` group over all their layers (one head size, what the config
+says).  Models with linear-attention, state-space or convolution layers have one ``kv`` group over
+their attention layers (possibly none: a pure state-space model's kv group holds no layer, and its
+blocks only count tokens) and one ``state`` group per named state
+(:func:`cbgen.model.state_cache.state_layout`).  The scheduler, block pools, input builder and KV
+cache take any number of groups (``tests/model/test_cache_groups.py``); the paged attention backends
+attend one kv group.
 """
 
 from __future__ import annotations
@@ -41,19 +47,20 @@ class CacheGroup:
     v_head_dim: int = 0
     block_size: int = 0
     state_shapes: tuple[tuple[int, ...], ...] = ()  # kind "state": one shape per layer
+    name: str = ""  # kind "state": which state of its layers (``conv0``, ``recurrent0``)
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
             raise ValueError(f"cache group kind must be one of {KINDS}, got {self.kind!r}")
-        if not self.layers:
-            raise ValueError("a cache group needs at least one layer")
+        if not self.layers and self.kind == "state":
+            raise ValueError("a state group needs at least one layer")
         if (
             self.kind == "kv"
             and min(self.num_kv_heads, self.k_head_dim, self.v_head_dim, self.block_size) < 1
         ):
             raise ValueError(f"a kv group needs heads, head sizes and a block size, got {self}")
-        if self.kind == "state" and len(self.state_shapes) != len(self.layers):
-            raise ValueError("a state group needs one state shape per layer")
+        if self.kind == "state" and (len(self.state_shapes) != len(self.layers) or not self.name):
+            raise ValueError("a state group needs a name and one state shape per layer")
 
     @property
     def itemsize(self) -> int:
@@ -71,13 +78,12 @@ class CacheGroup:
 
     def describe(self) -> str:
         """One line for ``cbgen info``."""
-        span = (
-            f"layers {self.layers[0]}-{self.layers[-1]}"
-            if len(self.layers) > 1
-            else f"layer {self.layers[0]}"
-        )
+        if not self.layers:
+            return f"kv, no layer (blocks of {self.block_size} tokens count tokens only)"
+        span = _span(self.layers)
         if self.kind == "state":
-            return f"state, {span}: {self.bytes_per_slot()} bytes a sequence"
+            dtype = str(self.dtype).removeprefix("torch.")
+            return f"state {self.name} ({dtype}), {span}: {self.bytes_per_slot()} bytes a sequence"
         heads = f"{self.num_kv_heads} KV heads x K {self.k_head_dim} / V {self.v_head_dim}"
         per_token = self.bytes_per_block() // self.block_size
         return f"kv, {span}: {heads}, blocks of {self.block_size} tokens, {per_token} bytes a token"
@@ -89,15 +95,23 @@ class CacheLayout:
 
     groups: tuple[CacheGroup, ...]
     shared: tuple[tuple[int, int], ...] = ()
+    # State layers compute a prefill cut at a multiple of this exactly as in one piece (their
+    # mixers' chunk size; 1 for sequential scans and convolutions): where prefill chunks may end.
+    # 0: the model cannot continue a multi-token forward, so a prompt is prefilled in one piece.
+    align: int = 1
 
     def __post_init__(self) -> None:
         if not any(g.kind == "kv" for g in self.groups):
             raise ValueError("a cache layout needs a kv group")
+        # A layer holds at most one kv entry and each named state once; a layer may hold both.
         seen: set[int] = set()
-        for g in self.groups:
+        for g in self.kv_groups:
             if seen & set(g.layers):
-                raise ValueError(f"layers {sorted(seen & set(g.layers))} are in two cache groups")
+                raise ValueError(f"layers {sorted(seen & set(g.layers))} are in two kv groups")
             seen |= set(g.layers)
+        names = [g.name for g in self.state_groups]
+        if len(names) != len(set(names)):
+            raise ValueError(f"two state groups share a name: {names}")
         for reader, producer in self.shared:
             if reader in seen or producer not in seen:
                 raise ValueError(
@@ -113,6 +127,11 @@ class CacheLayout:
     def state_groups(self) -> list[CacheGroup]:
         """The per-sequence state groups."""
         return [g for g in self.groups if g.kind == "state"]
+
+    @property
+    def state_layers(self) -> tuple[int, ...]:
+        """The layers that hold a state, in order."""
+        return tuple(sorted({layer for g in self.state_groups for layer in g.layers}))
 
     @property
     def single(self) -> CacheGroup | None:
@@ -134,6 +153,10 @@ class CacheLayout:
         """The groups in one line each (``cbgen info``)."""
         lines = [g.describe() for g in self.groups]
         lines += [f"layer {r} reads layer {p}'s KV" for r, p in self.shared]
+        if self.state_groups and self.align > 1:
+            lines.append(f"prefill chunks end at multiples of {self.align} tokens")
+        elif self.state_groups and self.align == 0:
+            lines.append("each prompt prefilled in one piece (its state layers cannot continue one)")
         return "; ".join(lines)
 
     @classmethod
@@ -148,3 +171,12 @@ class CacheLayout:
         num_kv_heads = local_kv_heads(model, num_heads, num_kv_heads, head_dim)
         layers = tuple(range(config.num_hidden_layers))
         return cls((CacheGroup("kv", layers, dtype, num_kv_heads, head_dim, head_dim, block_size),))
+
+
+def _span(layers: tuple[int, ...]) -> str:
+    if len(layers) == 1:
+        return f"layer {layers[0]}"
+    if layers == tuple(range(layers[0], layers[-1] + 1)):
+        return f"layers {layers[0]}-{layers[-1]}"
+    shown = ", ".join(map(str, layers[:8])) + (", ..." if len(layers) > 8 else "")
+    return f"{len(layers)} layers ({shown})"

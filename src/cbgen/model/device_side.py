@@ -17,10 +17,11 @@ from cbgen.config import EngineConfig
 from cbgen.core.block_manager import BlockManager
 from cbgen.core.cache_pools import CachePools
 from cbgen.core.scheduler import Scheduler
+from cbgen.core.slots import SlotPool
 from cbgen.model import support
 from cbgen.model.facts import ModelFacts
 from cbgen.model.input_batch import InputBuilder
-from cbgen.model.kv_cache import KVCache, choose_num_blocks
+from cbgen.model.kv_cache import KVCache, choose_num_blocks, choose_num_slots
 from cbgen.model.paged_metadata import PagedMetadata
 from cbgen.model.plan import resolve_plan
 from cbgen.model.runner import ModelRunner
@@ -46,22 +47,32 @@ def build_device_side(model: torch.nn.Module, config: EngineConfig, facts: Model
     plan = resolve_plan(model, config, facts.device, facts.dtype)
     logger.info("cbgen: execution plan: %s", plan)
     layout = plan.cache
+    # Models with state layers: one state slot per running sequence, which also bounds how many run.
+    num_slots = choose_num_slots(layout, facts.device, config) if layout.state_groups else 0
+    max_num_seqs = min(config.max_num_seqs, num_slots) if num_slots else config.max_num_seqs
     num_blocks = choose_num_blocks(
         layout,
         facts.device,
         config.num_blocks,
         config.kv_cache_memory,
         config.kv_cache_memory_fraction,
-        max_useful_tokens=config.max_num_seqs * facts.max_model_len + config.max_num_batched_tokens,
+        max_useful_tokens=max_num_seqs * facts.max_model_len + config.max_num_batched_tokens,
+        num_slots=num_slots,
     )
-    kv_cache = KVCache(layout, num_blocks, facts.device)
+    kv_cache = KVCache(layout, num_blocks, facts.device, num_slots=num_slots)
     pools = CachePools(
         [
             BlockManager(num_blocks, g.block_size, config.enable_prefix_caching, group=i)
             for i, g in enumerate(layout.kv_groups)
-        ]
+        ],
+        SlotPool(num_slots) if num_slots else None,
     )
-    scheduler = Scheduler(pools, config.max_num_batched_tokens, config.max_num_seqs)
+    scheduler = Scheduler(
+        pools,
+        config.max_num_batched_tokens,
+        max_num_seqs,
+        prefill_align=layout.align if layout.state_groups else None,
+    )
     runner = ModelRunner(
         model,
         kv_cache,
@@ -79,6 +90,7 @@ def build_device_side(model: torch.nn.Module, config: EngineConfig, facts: Model
         num_blocks=num_blocks,
         rope_extents=facts.length_rotary is not None,
         metadata=PagedMetadata(plan.row_prefill_max),
+        with_state=bool(num_slots),
     )
     return DeviceSide(kv_cache, pools, scheduler, runner, input_builder)
 

@@ -18,7 +18,9 @@ import numpy as np
 import torch
 
 from cbgen.model.attention import AttentionMetadata
+from cbgen.model import state_pieces
 from cbgen.model.paged_metadata import PagedMetadata
+from cbgen.model.state_pieces import StatePiece
 from cbgen.model.step_batch import StepBatch, build_step_batch
 from cbgen.request import Request
 
@@ -54,6 +56,8 @@ class ModelInput:
     rope_extents: torch.Tensor | None = None
     # The backend-neutral description the metadata was derived from (host arrays).
     step: StepBatch | None = None
+    # A model with state layers: the forwards the step runs as (cbgen.model.state_pieces).
+    pieces: list[StatePiece] | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -67,7 +71,8 @@ class InputBuilder:
     ``block_size`` and ``num_blocks``: the cache groups' block sizes and pool sizes (one int each for
     the single group of today's models).  ``metadata``: the backend's deriver (default: the paged
     backends' with chunks as rows up to ``row_prefill_max`` tokens).  ``with_state``: the model keeps
-    a state per sequence, so every row must hold a state slot.
+    a state per sequence, so every row must hold a state slot, and the step runs as the forwards of
+    :mod:`cbgen.model.state_pieces`.
     """
 
     def __init__(
@@ -105,10 +110,13 @@ class InputBuilder:
 
     def build(self, scheduled: list[tuple[Request, int]], kv_caches: list) -> ModelInput:
         """Packs the scheduled tokens; see the module docstring for the layout."""
-        order = self.metadata.order(scheduled)
+        order = state_pieces.order(scheduled) if self.with_state else self.metadata.order(scheduled)
         batch = build_step_batch(order, self.block_sizes, self.num_blocks, self.with_state)
         meta = self.metadata.build(batch, kv_caches, self._to_device)
         logits_rows, sample_requests, prompt_rows, num_prompt_rows = _logits_rows(batch)
+        pieces = None
+        if self.with_state:
+            pieces = state_pieces.split(batch, self.metadata, kv_caches, self._to_device)
         extents = None
         if self.rope_extents:
             floors = np.fromiter(
@@ -129,6 +137,7 @@ class InputBuilder:
             num_prompt_rows=num_prompt_rows,
             rope_extents=extents,
             step=batch,
+            pieces=pieces,
         )
 
 

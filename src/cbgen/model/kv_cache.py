@@ -3,7 +3,8 @@
 Per layer of a ``kv`` group (:mod:`cbgen.model.cache_groups`), one key and one value tensor of
 ``num_blocks + 1`` blocks shaped by its group (KV heads, key and value head sizes, block size); every
 ``kv`` group has the same number of blocks (one pool each, :class:`cbgen.core.cache_pools.CachePools`).
-Per layer of a ``state`` group, one tensor of ``num_slots + 1`` per-sequence states.  The extra block
+Per layer of a ``state`` group, one tensor of ``num_slots + 1`` per-sequence states, keyed by the
+state's name and the layer (``states[("recurrent0", 3)]``).  The extra block
 or slot at the end is scratch space that no sequence owns (padding rows of fixed-shape steps).
 """
 
@@ -71,22 +72,22 @@ def choose_num_blocks(
         source = "num_blocks"
         chosen = num_blocks
     else:
-        if kv_cache_memory is not None:
-            budget, source = int(kv_cache_memory), "kv_cache_memory"
-        else:
-            budget = int(available_memory(device) * memory_fraction)
-            source = f"{memory_fraction:.0%} of free {device.type} memory"
-            if device.type == "cpu" and budget > CPU_DEFAULT_CAP:
-                # CPU throughput saturates long before RAM does; zeroing gigabytes only costs start-up.
-                budget, source = CPU_DEFAULT_CAP, source + f", capped at {CPU_DEFAULT_CAP >> 30} GiB on CPU"
+        budget, source = _budget(device, kv_cache_memory, memory_fraction)
         budget -= (num_slots + 1) * layout.bytes_per_slot()
-        chosen = budget // per_block
         cap = max(-(-max_useful_tokens // g.block_size) for g in groups)
+        # A model without attention layers (pure state-space) keeps no KV: its blocks only count.
+        chosen = budget // per_block if per_block else cap
         if chosen > cap:
             chosen, source = cap, source + ", capped at max_num_seqs x max_model_len"
         if chosen < 1:
             raise ValueError(
                 f"KV-cache budget of {budget} bytes is smaller than one block ({per_block} bytes)"
+                + (
+                    f" once the states of {num_slots + 1} sequences "
+                    f"({layout.bytes_per_slot()} bytes each) are taken from it"
+                    if num_slots
+                    else ""
+                )
             )
     first = groups[0]
     logger.info(
@@ -101,12 +102,48 @@ def choose_num_blocks(
     return chosen
 
 
+def _budget(device: torch.device, kv_cache_memory: int | None, memory_fraction: float) -> tuple[int, str]:
+    """The cache's byte budget and where it came from."""
+    if kv_cache_memory is not None:
+        return int(kv_cache_memory), "kv_cache_memory"
+    budget = int(available_memory(device) * memory_fraction)
+    source = f"{memory_fraction:.0%} of free {device.type} memory"
+    if device.type == "cpu" and budget > CPU_DEFAULT_CAP:
+        # CPU throughput saturates long before RAM does; zeroing gigabytes only costs start-up.
+        budget, source = CPU_DEFAULT_CAP, source + f", capped at {CPU_DEFAULT_CAP >> 30} GiB on CPU"
+    return budget, source
+
+
+# The share of a byte budget the state slots may take; the rest holds KV blocks.
+STATE_SHARE = 0.5
+
+
+def choose_num_slots(layout: CacheLayout, device: torch.device, config) -> int:
+    """State slots for a model with state layers: one per sequence up to ``max_num_seqs``, within
+    :data:`STATE_SHARE` of the cache's byte budget (with an explicit ``num_blocks``, the states come
+    on top of it), and at least one."""
+    per_slot = layout.bytes_per_slot()
+    slots = config.max_num_seqs
+    if config.num_blocks is None:
+        budget, _ = _budget(device, config.kv_cache_memory, config.kv_cache_memory_fraction)
+        slots = min(slots, int(budget * STATE_SHARE) // per_slot - 1)
+    slots = max(1, slots)
+    logger.info(
+        "state slots: %d sequences x %.2f MiB (%s)",
+        slots,
+        per_slot / 2**20,
+        "; ".join(g.describe() for g in layout.state_groups),
+    )
+    return slots
+
+
 class KVCache:
     """Owns the cache tensors of a layout.  ``release()`` drops every reference so the memory really
     returns to the allocator; ``allocate()`` creates them again.
 
     ``layers[i]``: layer ``i``'s ``(key, value)`` tensors (a KV-sharing reader's are its producer's;
-    None for a layer that keeps a state instead).  ``states[i]``: layer ``i``'s state tensor.
+    None for a layer that keeps no keys and values).  ``states[(name, i)]``: layer ``i``'s state
+``name``, one row per slot.
     """
 
     def __init__(
@@ -117,7 +154,7 @@ class KVCache:
         self.num_slots = num_slots
         self.device = device
         self.layers: list[tuple[torch.Tensor, torch.Tensor] | None] = []
-        self.states: dict[int, torch.Tensor] = {}
+        self.states: dict[tuple[str, int], torch.Tensor] = {}
         self.allocate()
 
     @property
@@ -167,7 +204,7 @@ class KVCache:
                     )
             for g in self.layout.state_groups:
                 for layer, shape in zip(g.layers, g.state_shapes):
-                    self.states[layer] = _zeros((self.num_slots + 1, *shape), g.dtype, self.device)
+                    self.states[(g.name, layer)] = _zeros((self.num_slots + 1, *shape), g.dtype, self.device)
         for reader, producer in self.layout.shared:
             layers[reader] = layers[producer]
         self.layers = layers

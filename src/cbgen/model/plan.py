@@ -214,6 +214,8 @@ def resolve_plan(
     if cache is None:
         cache = cache_layout(model, dtype, config.block_size)
     head_dim = cache.kv_groups[0].k_head_dim
+    if cache.state_groups:
+        _check_state_settings(model, config)
     if config.batch_invariant:
         return _parity_plan(model, config, device, dtype, cache)
     attention, attention_why = backend_choice(
@@ -227,6 +229,9 @@ def resolve_plan(
     decode_mode, decode_mode_why = decode_mode_choice(config.decode_mode, device, config.compile, backend)
     decode_mode, decode_mode_why = _unpadded_for_length_rotary(model, config, decode_mode, decode_mode_why)
     forward, forward_why = _forward_choice(model, config, dtype, attention, decode_mode)
+    if cache.state_groups:
+        decode_mode, decode_mode_why = "eager", STATE_FORWARD_WHY
+        forward, forward_why = "module", STATE_FORWARD_WHY
     gemms, shapes, c_step, c_step_why = None, (), frozenset(), "not with the module forward"
     if forward == "fused":
         gemms, shapes = _gemms(model, config.prepack_weights, previous)
@@ -262,6 +267,32 @@ def resolve_plan(
 
 
 _PARITY_WHY = "batch_invariant=True: raw logprobs equal cbgen.parity's trainer forward bit for bit"
+STATE_FORWARD_WHY = (
+    "state layers: the module forward, the decode rows as one batch and each prefill row on its own "
+    "(cbgen.model.state_pieces)"
+)
+# Why parity mode refuses models with state layers (docs/rl.md says the same).
+STATE_PARITY_WHY = (
+    "batch_invariant=True is not supported for models with linear-attention, state-space or "
+    "convolution layers: generation decodes them in the mixers' recurrent form, as generate() does, "
+    "and a trainer's forward over the whole sequence computes them in the chunk form, whose bits "
+    "differ; no cbgen kernel makes the two agree without changing the trainer's forward"
+)
+
+
+def _check_state_settings(model: nn.Module, config: EngineConfig) -> None:
+    """Settings a model with state layers cannot run under, refused with the reason."""
+    from cbgen.model import support
+
+    if config.batch_invariant:
+        raise support.UnsupportedModelError(f"{type(model).__name__}: {STATE_PARITY_WHY}")
+    if config.compile:
+        raise ValueError("compile=True is not supported for models with state layers (eager forwards only)")
+    if config.decode_mode in ("static", "graphs"):
+        raise ValueError(
+            f"decode_mode {config.decode_mode!r} is not supported for models with state layers: their decode "
+            "rows run eagerly as one batch (decode_mode 'auto' or 'eager')"
+        )
 PARITY_MODULE_WHY = "parity mode: the trainer's module forward, under the parity dispatch mode"
 
 
@@ -445,7 +476,7 @@ def _decode_loops(
     previous: ExecutionPlan | None,
 ) -> tuple[str, str]:
     """The C decode kernel's loops (measured once per machine and geometry; see decode_loops.py)."""
-    if attention != "cpu":
+    if attention != "cpu" or not cache.kv_groups[0].layers:
         return "widest", ""
     if previous is not None and previous.attention == "cpu" and previous.dtype == dtype:
         return previous.decode_loops, previous.decode_loops_why
@@ -476,18 +507,31 @@ def _sampled_rows_choice(device: torch.device) -> tuple[str, str]:
 
 
 def cache_layout(model: nn.Module, dtype: torch.dtype, block_size: int) -> CacheLayout:
-    """The model's cache layout, or the refusal of a model whose cache shape cannot be read.  The
-    paged backends attend over one kv group; a layout of several groups or with state is refused
-    here until a backend takes it (the contract below the plan already does)."""
+    """The model's cache layout, or the refusal of a model whose cache shape cannot be read: one kv
+    group for attention-only models; for models with state layers, a kv group over the attention
+    layers and the state groups (:func:`cbgen.model.state_cache.state_layout`).  Layouts of several
+    kv groups or with KV-sharing layers are refused here until a backend takes them."""
     from cbgen.model import support
+    from cbgen.model.state_cache import state_layout
 
+    name = type(model).__name__
     try:
-        layout = CacheLayout.from_model(model, dtype, block_size)
-    except Exception as exc:  # whatever the config raises, the model is refused with it
+        if support.has_state_layers(model):
+            layout = state_layout(model, dtype, block_size)
+        else:
+            layout = CacheLayout.from_model(model, dtype, block_size)
+    except support.UnsupportedModelError:
+        raise
+    except Exception as exc:  # whatever the config or the start-up forward raises, refused with it
+        if support.has_state_layers(model):
+            raise support.UnsupportedModelError(
+                f"{name}'s state layers cannot be served through transformers' cache interface: "
+                f"{type(exc).__name__}: {exc}"
+            ) from exc
         raise support.geometry_error(model, exc) from exc
-    if layout.single is None:
+    if len(layout.kv_groups) != 1 or layout.shared:
         raise support.UnsupportedModelError(
-            f"{type(model).__name__}'s cache is {layout.describe()}: cbgen's attention backends take one kv group"
+            f"{name}'s cache is {layout.describe()}: cbgen's attention backends take one kv group"
         )
     return layout
 

@@ -22,7 +22,7 @@ from cbgen.batch_invariant import context as parity_context
 from cbgen.batch_invariant.direct_forward import ParityDirectForward
 from cbgen.batch_invariant.dispatch import ParityOps
 from cbgen.batch_invariant.packs import WeightPacks
-from cbgen.model import attention, thread_view
+from cbgen.model import attention, state_pieces, thread_view
 from cbgen.model.backends import make_backend
 from cbgen.model.cpu_fast import decode_loops
 from cbgen.model.cpu_fast.fused_forward import FusedDecoder
@@ -32,6 +32,7 @@ from cbgen.model.input_batch import ModelInput
 from cbgen.model.kv_cache import KVCache
 from cbgen.model.plan import PARITY_MODULE_WHY, ExecutionPlan, resolve_again
 from cbgen.model.rotary import LengthRotary
+from cbgen.model.state_cache import StepStates
 
 log = logging.getLogger("cbgen")
 
@@ -144,7 +145,9 @@ class ModelRunner:
         # as the class's function, not a bound method: that would be a reference cycle through the
         # runner, and an engine in a cycle keeps its cache until the cycle collector runs.
         self._step: Callable[[ModelRunner, ModelInput, attention.AttentionMetadata], torch.Tensor]
-        if plan.forward == "fused":
+        if plan.cache.state_groups:
+            self._step = ModelRunner._state_step
+        elif plan.forward == "fused":
             self.fused = FusedDecoder(self.model, self.attn_backend, plan.gemms, plan.c_step)
             self._step = ModelRunner._fused_step
         elif plan.forward == "direct":
@@ -243,13 +246,15 @@ class ModelRunner:
                 stack.enter_context(thread_view.eval_mode())
             yield
 
-    def _rotary_view(self, batch: ModelInput) -> contextlib.AbstractContextManager:
-        """Per-token rotary tables for this step (whatever forward runs it) when the model's rotary
-        frequencies depend on the sequence length, else nothing."""
+    def _rotary_view(self, batch: ModelInput, tokens: slice | None = None) -> contextlib.AbstractContextManager:
+        """Per-token rotary tables for this step (whatever forward runs it), or for its ``tokens``,
+        when the model's rotary frequencies depend on the sequence length, else nothing."""
         rotary = self.length_rotary
         if rotary is None:
             return contextlib.nullcontext()
         extents = batch.rope_extents
+        if extents is not None and tokens is not None:
+            extents = extents[tokens]
         if extents is None:
             raise RuntimeError(
                 "a step of a model with length-dependent rotary frequencies came without extents"
@@ -286,8 +291,39 @@ class ModelRunner:
             # The one check before a step (see cbgen.model.plan): hooks and module swaps reach no
             # weight fingerprint, and a fused step over them would compute the wrong thing.
             self._replan("the model's modules, hooks or weight storage changed")
+        if batch.pieces is not None:
+            return self._step(self, batch, meta)  # its forwards take their own rotary views
         with self._rotary_view(batch):
             return self._step(self, batch, meta)
+
+    def _state_step(self, batch: ModelInput, meta: attention.AttentionMetadata) -> torch.Tensor:
+        """A step of a model with state layers: the forwards of :mod:`cbgen.model.state_pieces`,
+        each with a :class:`StepStates` over its rows' state slots, their logits gathered into the
+        step's logits rows."""
+        out: torch.Tensor | None = None
+        with self._module_view():
+            for piece in batch.pieces:
+                piece.meta.kv_caches = self.kv_cache.layers
+                piece.meta.backend = self.attn_backend
+                shape = piece.shape
+                states = StepStates(self.kv_cache.states, piece.slots, piece.fresh, piece.past)
+                keep, dest, src = state_pieces.logits_rows(piece, batch.logits_indices)
+                with self._rotary_view(batch, piece.tokens), attention.step_metadata(piece.meta):
+                    logits = self.model(
+                        input_ids=batch.input_ids[piece.tokens].view(shape),
+                        position_ids=batch.positions[piece.tokens].view(shape),
+                        cache=states,
+                        use_cache=True,
+                        # Decode rows keep their one position each, a prefill row what the step needs.
+                        logits_to_keep=1 if shape[1] == 1 else keep,
+                        cbgen_meta=piece.meta,
+                    ).logits
+                states.store()
+                logits = logits[:, -1][keep] if shape[1] == 1 else logits[0]
+                if out is None:
+                    out = logits.new_empty((batch.logits_indices.shape[0], logits.shape[-1]))
+                out[dest] = logits[src]
+        return out
 
     def _fused_step(self, batch: ModelInput, meta: attention.AttentionMetadata) -> torch.Tensor:
         # No module view: the fused path calls no module whose result depends on the attention

@@ -78,18 +78,52 @@ def _layer_kinds(config) -> dict[str, list[int]]:
     return {}
 
 
-def _kind_reason(kind: str) -> str:
+# Per-layer kinds that name a layer's feed-forward part, which is per token (Nemotron-H's pattern).
+_PER_TOKEN_KINDS = frozenset({"mlp", "moe", "mixture of experts"})
+
+
+def _is_sparse(kind: str) -> bool:
     k = kind.lower()
-    if "index" in k or "compress" in k or "sparse" in k:
+    return "index" in k or "compress" in k or "sparse" in k
+
+
+def _kind_reason(kind: str) -> str:
+    if _is_sparse(kind):
         return "sparse attention that keeps its own compressed or indexer cache"
-    if "hybrid" in k:
-        return "attention and a state-space mixer in one layer, whose state is not a KV cache"
-    return "a state-space, recurrent, convolution or linear-attention layer, whose state is not a KV cache"
+    return "a layer whose state is not a KV cache"
 
 
 def _layers_text(indices: list[int]) -> str:
     shown = ", ".join(map(str, indices[:6])) + (", ..." if len(indices) > 6 else "")
     return f"layer{'s' if len(indices) > 1 else ''} {shown}"
+
+
+# transformers dropped the cached recurrent state on multi-token forwards over a cache (chunked
+# prefill, resumed sequences) until its PR 45513, merged 2026-04-23; 5.7.0 is the first release after.
+STATE_MIN_TRANSFORMERS = (5, 7)
+
+
+def state_kinds(model: torch.nn.Module) -> dict[str, list[int]]:
+    """The config's per-layer kinds that are neither attention nor per-token (state-space,
+    linear-attention, convolution and hybrid layers), with their layers."""
+    kinds = _layer_kinds(text_config(model))
+    return {
+        k: v
+        for k, v in kinds.items()
+        if k not in ATTENTION_KINDS and k.lower() not in _PER_TOKEN_KINDS
+    }
+
+
+def has_state_layers(model: torch.nn.Module) -> bool:
+    """Whether some layer keeps a state per sequence (the cache layout then has state groups)."""
+    return bool(state_kinds(model))
+
+
+def _transformers_version() -> tuple[int, int]:
+    import transformers
+
+    major, minor = transformers.__version__.split(".")[:2]
+    return int(major), int("".join(c for c in minor if c.isdigit()) or 0)
 
 
 def check_model(model: torch.nn.Module) -> None:
@@ -99,13 +133,19 @@ def check_model(model: torch.nn.Module) -> None:
     if getattr(model.config, "is_encoder_decoder", False):
         raise UnsupportedModelError(f"{name} is an encoder-decoder model; cbgen runs decoder-only models")
     config = text_config(model)
-    kinds = _layer_kinds(config)
-    foreign = {k: v for k, v in kinds.items() if k not in ATTENTION_KINDS and k != "attention"}
-    if foreign:
-        described = "; ".join(f"'{k}' at {_layers_text(v)}: {_kind_reason(k)}" for k, v in foreign.items())
+    foreign = state_kinds(model)
+    sparse = {k: v for k, v in foreign.items() if _is_sparse(k)}
+    if sparse:
+        described = "; ".join(f"'{k}' at {_layers_text(v)}: {_kind_reason(k)}" for k, v in sparse.items())
         raise UnsupportedModelError(
             f"{name} has layers that are not softmax attention over a KV cache ({described}); "
-            "cbgen's paged cache holds only keys and values per token"
+            "cbgen's paged cache holds keys and values per token and states per sequence"
+        )
+    if foreign and _transformers_version() < STATE_MIN_TRANSFORMERS:
+        raise UnsupportedModelError(
+            f"{name} has state layers ({', '.join(foreign)}), and transformers before "
+            f"{'.'.join(map(str, STATE_MIN_TRANSFORMERS))} drops their cached state on multi-token "
+            "forwards (chunked prefill); upgrade transformers"
         )
     if getattr(config, "kv_lora_rank", None):
         raise UnsupportedModelError(
@@ -259,7 +299,10 @@ def _probe_setup(target: StartupTarget):
 
     bs = target.kv_cache.block_size
     need = -(-(_A_LEN + 1) // bs) + -(-_B_LEN // bs)
+    with_state = bool(target.kv_cache.layout.state_groups)
     if target.kv_cache.num_blocks < need or target.max_model_len < _B_LEN:
+        return None
+    if with_state and target.kv_cache.num_slots < 2:
         return None
     # Row prefill (short chunks as decode rows) is part of what runs, so the probe builds like the engine.
     builder = InputBuilder(
@@ -268,6 +311,7 @@ def _probe_setup(target: StartupTarget):
         row_prefill_max=target.plan.row_prefill_max,
         num_blocks=need,
         rope_extents=target.rope_extents,
+        with_state=with_state,
     )
     target.kv_cache.allocate()
     return builder, need
@@ -313,7 +357,10 @@ def _paged_logits(
     b = Request("cbgen-probe-b", b_tokens, params)
     a.block_ids = list(range(-(-(_A_LEN + 1) // bs)))
     b.block_ids = list(range(len(a.block_ids), need))
-    steps = [[(a, _A_LEN), (b, _B_SPLIT)], [(a, 1), (b, _B_LEN - _B_SPLIT)]]
+    a.state_slot, b.state_slot = 0, 1  # read only by models with state layers
+    # A model that prefills each prompt in one piece (CacheLayout.align 0) continues B by one token.
+    split = _B_LEN - 1 if target.kv_cache.layout.state_groups and target.kv_cache.layout.align == 0 else _B_SPLIT
+    steps = [[(a, _A_LEN), (b, split)], [(a, 1), (b, _B_LEN - split)]]
     got = []
     taps = _LayerTaps(layers or [])
     try:
@@ -321,10 +368,14 @@ def _paged_logits(
             for step in steps:
                 batch = builder.build(step, target.kv_cache.layers)
                 batch.logits_indices = torch.arange(batch.num_tokens, device=target.device)
-                calls: list[int] = []
-                batch.meta.derived["attention_calls"] = calls
+                # One record per forward: a state model's step is several (cbgen.model.state_pieces).
+                metas = [batch.meta] if batch.pieces is None else [p.meta for p in batch.pieces]
+                records: list[list[int]] = [[] for _ in metas]
+                for meta, calls in zip(metas, records):
+                    meta.derived["attention_calls"] = calls
                 got.append(target.runner.execute(batch).float().cpu())
-                _check_one_call_per_layer(target.model, calls)
+                for calls in records:
+                    _check_one_call_per_layer(target.model, calls)
                 for r, n in step:
                     r.num_computed_tokens += n
                 if step is steps[0]:
