@@ -17,8 +17,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from cbgen.model.attention import AttentionMetadata
 from cbgen.model import state_pieces
+from cbgen.model.attention import AttentionMetadata
 from cbgen.model.paged_metadata import PagedMetadata
 from cbgen.model.state_pieces import StatePiece
 from cbgen.model.step_batch import StepBatch, build_step_batch

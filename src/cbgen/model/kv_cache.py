@@ -139,11 +139,11 @@ def choose_num_slots(layout: CacheLayout, device: torch.device, config) -> int:
 
 class KVCache:
     """Owns the cache tensors of a layout.  ``release()`` drops every reference so the memory really
-    returns to the allocator; ``allocate()`` creates them again.
+        returns to the allocator; ``allocate()`` creates them again.
 
-    ``layers[i]``: layer ``i``'s ``(key, value)`` tensors (a KV-sharing reader's are its producer's;
-    None for a layer that keeps no keys and values).  ``states[(name, i)]``: layer ``i``'s state
-``name``, one row per slot.
+        ``layers[i]``: layer ``i``'s ``(key, value)`` tensors (a KV-sharing reader's are its producer's;
+        None for a layer that keeps no keys and values).  ``states[(name, i)]``: layer ``i``'s state
+    ``name``, one row per slot.
     """
 
     def __init__(

@@ -293,6 +293,8 @@ def _check_state_settings(model: nn.Module, config: EngineConfig) -> None:
             f"decode_mode {config.decode_mode!r} is not supported for models with state layers: their decode "
             "rows run eagerly as one batch (decode_mode 'auto' or 'eager')"
         )
+
+
 PARITY_MODULE_WHY = "parity mode: the trainer's module forward, under the parity dispatch mode"
 
 

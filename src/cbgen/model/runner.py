@@ -246,7 +246,9 @@ class ModelRunner:
                 stack.enter_context(thread_view.eval_mode())
             yield
 
-    def _rotary_view(self, batch: ModelInput, tokens: slice | None = None) -> contextlib.AbstractContextManager:
+    def _rotary_view(
+        self, batch: ModelInput, tokens: slice | None = None
+    ) -> contextlib.AbstractContextManager:
         """Per-token rotary tables for this step (whatever forward runs it), or for its ``tokens``,
         when the model's rotary frequencies depend on the sequence length, else nothing."""
         rotary = self.length_rotary

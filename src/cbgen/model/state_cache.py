@@ -29,6 +29,7 @@ for each sequence (see the exactness rules in ``docs/design.md``).
 from __future__ import annotations
 
 import math
+
 import torch
 import torch.nn.functional as F
 
@@ -228,4 +229,3 @@ class StepStates:
             return
         for (name, layer), rows in self._rows.items():
             self._states[(name, layer)].index_copy_(0, self._slots, rows)
-

@@ -53,7 +53,9 @@ def order(scheduled: list[tuple[Request, int]]) -> list[tuple[Request, int]]:
     return decodes + others
 
 
-def split(batch: StepBatch, metadata: PagedMetadata, kv_caches: list, to_device: ToDevice) -> list[StatePiece]:
+def split(
+    batch: StepBatch, metadata: PagedMetadata, kv_caches: list, to_device: ToDevice
+) -> list[StatePiece]:
     """The forwards of ``batch`` (rows in :func:`order`'s order)."""
     if batch.state_slots is None:
         raise RuntimeError("a step of a model with state layers came without state slots")

@@ -107,11 +107,7 @@ def state_kinds(model: torch.nn.Module) -> dict[str, list[int]]:
     """The config's per-layer kinds that are neither attention nor per-token (state-space,
     linear-attention, convolution and hybrid layers), with their layers."""
     kinds = _layer_kinds(text_config(model))
-    return {
-        k: v
-        for k, v in kinds.items()
-        if k not in ATTENTION_KINDS and k.lower() not in _PER_TOKEN_KINDS
-    }
+    return {k: v for k, v in kinds.items() if k not in ATTENTION_KINDS and k.lower() not in _PER_TOKEN_KINDS}
 
 
 def has_state_layers(model: torch.nn.Module) -> bool:
@@ -359,7 +355,9 @@ def _paged_logits(
     b.block_ids = list(range(len(a.block_ids), need))
     a.state_slot, b.state_slot = 0, 1  # read only by models with state layers
     # A model that prefills each prompt in one piece (CacheLayout.align 0) continues B by one token.
-    split = _B_LEN - 1 if target.kv_cache.layout.state_groups and target.kv_cache.layout.align == 0 else _B_SPLIT
+    split = (
+        _B_LEN - 1 if target.kv_cache.layout.state_groups and target.kv_cache.layout.align == 0 else _B_SPLIT
+    )
     steps = [[(a, _A_LEN), (b, split)], [(a, 1), (b, _B_LEN - split)]]
     got = []
     taps = _LayerTaps(layers or [])
