@@ -29,6 +29,7 @@ import torch
 from cbgen import envs
 from cbgen.config import EngineConfig
 from cbgen.core import update as step_update
+from cbgen.core.cache_pools import StateCopy
 from cbgen.core.stats import EngineStats, StepStats
 from cbgen.engine_control import EngineControl
 from cbgen.inputs import as_token_ids
@@ -39,7 +40,6 @@ from cbgen.model.cpu_threads import ThreadGovernor
 from cbgen.model.device_side import build_device_side
 from cbgen.model.facts import ModelFacts
 from cbgen.model.input_batch import ModelInput
-from cbgen.model.kv_cache import StateCopy
 from cbgen.model.loading.weights import WeightWatcher
 from cbgen.model.plan import ExecutionPlan
 from cbgen.output_processor import OutputProcessor
@@ -442,6 +442,8 @@ class Engine:
             self._patch_pending_inputs(batch, last)
         self.kv_cache.copy_blocks(plan.copies)
         logits = self.runner.execute(batch)
+        # State checkpoints are the states this forward left (cbgen.core.checkpoints).
+        self.kv_cache.copy_blocks(plan.sched.checkpoints)
         crossed = step_update.advance(batch.scheduled, self.block_manager.block_size)
         if batch.prompt_rows:
             record_prompt_logprobs(

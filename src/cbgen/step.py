@@ -12,11 +12,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from cbgen.core.cache_pools import BlockCopy
+from cbgen.core.cache_pools import BlockCopy, StateCopy
 from cbgen.core.scheduler import SchedulerOutput
 from cbgen.core.update import SampledTokens
 from cbgen.model.input_batch import ModelInput
-from cbgen.model.kv_cache import StateCopy
 from cbgen.outputs import RequestOutput
 from cbgen.request import Request, RequestGroup
 from cbgen.sample.sampler import SamplerOutput

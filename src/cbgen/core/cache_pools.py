@@ -9,9 +9,10 @@ state; then every call here is the single pool's.
 
 Allocation is all or nothing: a request gets blocks in every group and its slot, or nothing changes.
 A prefix-cache hit covers the same tokens in every group (the longest run all groups hold, in
-whole blocks of each), and the partial-block hit is the single-group case only.  Sequences holding
-a state are not served from the prefix cache: a state summarises the whole prefix and is not
-kept per block (state checkpoints belong with the models that need them).
+whole blocks of each), and the partial-block hit is the single-group case only.  With state slots,
+a hit must also end where a state checkpoint was filed (:mod:`cbgen.core.checkpoints`), and the
+request's state starts as a copy of it; without checkpoints such models are not served from the
+prefix cache.
 
 Pure Python, like the rest of ``core/``.
 """
@@ -24,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from cbgen.core.block_manager import BlockManager
+from cbgen.core.checkpoints import Checkpoints
 from cbgen.core.slots import SlotPool
 from cbgen.request import Request
 
@@ -37,14 +39,24 @@ class BlockCopy(NamedTuple):
     group: int = 0
 
 
+class StateCopy(NamedTuple):
+    """A device-side copy of one sequence's state, slot ``src`` to ``dst`` (copy-on-fork, a
+    checkpoint filed or served)."""
+
+    src: int
+    dst: int
+
+
 @dataclass
 class PrefixHit:
-    """Cached blocks per group covering the request's first ``tokens`` tokens, and the partial block
-    to copy after them (single-group pools only)."""
+    """Cached blocks per group covering the request's first ``tokens`` tokens, the partial block
+    to copy after them (single-group pools only), and the checkpoint slot holding the state at
+    ``tokens`` (models with state layers)."""
 
     blocks: list[list[int]] = field(default_factory=list)
     tokens: int = 0
     partial: tuple[int, int] | None = None
+    state: int | None = None
 
     @property
     def num_blocks(self) -> int:
@@ -63,7 +75,12 @@ class ForkCopies:
 class CachePools:
     """The block pools of the cache groups (group ``i`` is ``pools[i]``) and the state slots."""
 
-    def __init__(self, pools: Sequence[BlockManager], slots: SlotPool | None = None) -> None:
+    def __init__(
+        self,
+        pools: Sequence[BlockManager],
+        slots: SlotPool | None = None,
+        checkpoints: Checkpoints | None = None,
+    ) -> None:
         if not pools:
             raise ValueError("a cache needs at least one block pool")
         for i, pool in enumerate(pools):
@@ -71,6 +88,7 @@ class CachePools:
                 raise ValueError(f"pool {i} keeps block table {pool.group}")
         self.pools = list(pools)
         self.slots = slots
+        self.checkpoints = checkpoints if slots is not None else None
         self.stats = pools[0].stats
         self._single = len(pools) == 1 and slots is None
         # The one pool of a single-group cache: the calls made per request and step go straight to it.
@@ -115,8 +133,10 @@ class CachePools:
 
     @property
     def enable_prefix_caching(self) -> bool:
-        """Whether requests can be served from the prefix cache (no state groups)."""
-        return self.slots is None and all(p.enable_prefix_caching for p in self.pools)
+        """Whether requests can be served from the prefix cache (with state slots: from checkpoints)."""
+        return (self.slots is None or self.checkpoints is not None) and all(
+            p.enable_prefix_caching for p in self.pools
+        )
 
     def fits(self, num_tokens: int) -> bool:
         """Whether one request of ``num_tokens`` tokens fits in an empty cache."""
@@ -148,7 +168,12 @@ class CachePools:
         hits = [p.match_prefix(request) for p in self.pools]
         tokens = min(len(h) * p.block_size for h, p in zip(hits, self.pools, strict=True))
         tokens -= tokens % self._hit_unit
-        return PrefixHit([h[: tokens // p.block_size] for h, p in zip(hits, self.pools, strict=True)], tokens)
+        state = None
+        if self.checkpoints is not None:
+            first = self.pools[0]
+            tokens, state = self.checkpoints.find(request.hash_tables[first.group], first.block_size, tokens)
+        blocks = [h[: tokens // p.block_size] for h, p in zip(hits, self.pools, strict=True)]
+        return PrefixHit(blocks, tokens, state=state)
 
     def match_partial(self, request: Request, hit: PrefixHit) -> PrefixHit:
         """``hit`` with the partial block after it, where one matches (single-group pools only)."""
@@ -174,7 +199,26 @@ class CachePools:
         """Forgets every published hash in every group (counted once)."""
         for p in self.pools:
             p.forget_published()
+        if self.checkpoints is not None:
+            self.checkpoints.forget()
         self.stats.prefix_cache_resets += 1
+
+    def checkpoint(self, request: Request, num_new_tokens: int) -> StateCopy | None:
+        """The copy that files ``request``'s state as a checkpoint after this step, when its
+        ``num_new_tokens`` scheduled tokens end a prompt chunk on the checkpoint grid (see
+        :mod:`cbgen.core.checkpoints`); called once the tokens are allocated."""
+        ckpt = self.checkpoints
+        if ckpt is None or not self.enable_prefix_caching:
+            return None
+        end = request.num_computed_tokens + num_new_tokens
+        if end % ckpt.grid or end > request.num_prompt_tokens or num_new_tokens < 1:
+            return None
+        first = self.pools[0]
+        hashes = first.completed_hashes(request, num_new_tokens)
+        if not hashes:
+            return None
+        slot = ckpt.file(hashes[-1])
+        return None if slot is None else StateCopy(request.state_slot, slot)
 
     # ------------------------------------------------------------------ allocation
     def _size_tables(self, request: Request) -> None:

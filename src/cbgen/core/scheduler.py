@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 
 from cbgen.core.block_manager import BlockManager
 from cbgen.core.cache_aware import ComputingBlocks
-from cbgen.core.cache_pools import BlockCopy, CachePools
+from cbgen.core.cache_pools import BlockCopy, CachePools, StateCopy
 from cbgen.core.fairness import Fairness, Jobs, RequestFilter
 from cbgen.request import Request, RequestStatus
 
@@ -56,8 +56,11 @@ class SchedulerOutput:
     scheduled: list[tuple[Request, int]] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
     failed: list[Request] = field(default_factory=list)
-    # Blocks the runner copies before this step's forward: partial prefix hits.
-    copies: list[BlockCopy] = field(default_factory=list)
+    # Blocks the runner copies before this step's forward: partial prefix hits (and states served
+    # from a checkpoint).
+    copies: list[BlockCopy | StateCopy] = field(default_factory=list)
+    # States copied into checkpoint slots after this step's forward (cbgen.core.checkpoints).
+    checkpoints: list[StateCopy] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -92,6 +95,10 @@ class Scheduler:
         self.max_num_seqs = max_num_seqs
         # State layers' chunk rule (see the module docstring; 0: a prompt in one piece); None: none.
         self.prefill_align = prefill_align
+        ckpt = self.block_manager.checkpoints
+        self._checkpoint_grid = (
+            ckpt.grid if ckpt is not None and self.block_manager.enable_prefix_caching else 0
+        )
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.stats = block_manager.stats  # one record for the whole engine
@@ -186,6 +193,8 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         """Builds the next step's batch within the token budget and the block pool."""
         out = SchedulerOutput()
+        if self.block_manager.checkpoints is not None:
+            self.block_manager.checkpoints.new_step()
         self.jobs.preempt_paused(self, out)
         if self.fairness is None:
             budget, victims = self.serve_running(out, self.max_num_batched_tokens)
@@ -208,11 +217,23 @@ class Scheduler:
         if start >= prompt:
             return min(num, 1)
         end = min(prompt, start + num)
+        grid = self._checkpoint_grid
+        if grid:
+            # End a chunk at the prompt's last grid point before its end: its checkpoint is what a
+            # resubmission of the prompt hits (cbgen.core.checkpoints).
+            last = (prompt - 1) // grid * grid
+            if start < last < end:
+                end = last
         if end < prompt:
             end = end - end % align if align else start
             if end <= start:
                 end = min(prompt, start - start % align + align) if align else prompt
         return end - start
+
+    def _file_checkpoint(self, request: Request, num_new: int, out: SchedulerOutput) -> None:
+        copy = self.block_manager.checkpoint(request, num_new) if self._checkpoint_grid else None
+        if copy is not None:
+            out.checkpoints.append(copy)
 
     def preempt(self, request: Request, out: SchedulerOutput) -> None:
         """Frees the blocks of ``request`` (already out of ``running``) and requeues it at the front,
@@ -272,6 +293,7 @@ class Scheduler:
                     break
             else:
                 out.scheduled.append((request, num_new))
+                self._file_checkpoint(request, num_new, out)
                 scheduled.add(id(request))
                 budget -= num_new
                 i += 1
@@ -364,6 +386,9 @@ class Scheduler:
             if bm.allocate(request, num_new, hit):
                 if partial is not None:
                     out.copies.append(BlockCopy(partial[0], request.block_ids[hit.num_blocks]))
+                if hit.state is not None:
+                    out.copies.append(StateCopy(hit.state, request.state_slot))
+                self._file_checkpoint(request, num_new, out)
                 return num_new, num_cached_tokens
             if not evict or not self._evict(out, evict):
                 return None

@@ -9,6 +9,7 @@ The engine owns what this returns; nothing here keeps a reference to the engine.
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass
 
 import torch
@@ -16,6 +17,7 @@ import torch
 from cbgen.config import EngineConfig
 from cbgen.core.block_manager import BlockManager
 from cbgen.core.cache_pools import CachePools
+from cbgen.core.checkpoints import Checkpoints
 from cbgen.core.scheduler import Scheduler
 from cbgen.core.slots import SlotPool
 from cbgen.model import support
@@ -48,8 +50,20 @@ def build_device_side(model: torch.nn.Module, config: EngineConfig, facts: Model
     logger.info("cbgen: execution plan: %s", plan)
     layout = plan.cache
     # Models with state layers: one state slot per running sequence, which also bounds how many run.
-    num_slots = choose_num_slots(layout, facts.device, config) if layout.state_groups else 0
+    with_checkpoints = bool(layout.state_groups) and config.enable_prefix_caching and layout.align > 0
+    num_slots = (
+        choose_num_slots(layout, facts.device, config, per_sequence=2 if with_checkpoints else 1)
+        if layout.state_groups
+        else 0
+    )
     max_num_seqs = min(config.max_num_seqs, num_slots) if num_slots else config.max_num_seqs
+    checkpoints = None
+    state_rows = num_slots
+    if with_checkpoints:
+        # As many checkpoints as running sequences, after them in the state tensors.
+        grid = math.lcm(layout.align, *(g.block_size for g in layout.kv_groups))
+        checkpoints = Checkpoints(num_slots, num_slots, grid)
+        state_rows += checkpoints.capacity
     num_blocks = choose_num_blocks(
         layout,
         facts.device,
@@ -57,15 +71,16 @@ def build_device_side(model: torch.nn.Module, config: EngineConfig, facts: Model
         config.kv_cache_memory,
         config.kv_cache_memory_fraction,
         max_useful_tokens=max_num_seqs * facts.max_model_len + config.max_num_batched_tokens,
-        num_slots=num_slots,
+        num_slots=state_rows,
     )
-    kv_cache = KVCache(layout, num_blocks, facts.device, num_slots=num_slots)
+    kv_cache = KVCache(layout, num_blocks, facts.device, num_slots=state_rows)
     pools = CachePools(
         [
             BlockManager(num_blocks, g.block_size, config.enable_prefix_caching, group=i)
             for i, g in enumerate(layout.kv_groups)
         ],
         SlotPool(num_slots) if num_slots else None,
+        checkpoints,
     )
     scheduler = Scheduler(
         pools,

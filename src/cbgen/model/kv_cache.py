@@ -11,23 +11,16 @@ or slot at the end is scratch space that no sequence owns (padding rows of fixed
 from __future__ import annotations
 
 import logging
-from typing import NamedTuple
 
 import torch
 
+from cbgen.core.cache_pools import StateCopy
 from cbgen.model.cache_groups import CacheGroup, CacheLayout
 from cbgen.utils import advise_huge_pages
 
 logger = logging.getLogger("cbgen")
 
 CPU_DEFAULT_CAP = 2 << 30
-
-
-class StateCopy(NamedTuple):
-    """A device-side copy of one sequence's state, slot ``src`` to ``dst`` (copy-on-fork)."""
-
-    src: int
-    dst: int
 
 
 def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -118,20 +111,22 @@ def _budget(device: torch.device, kv_cache_memory: int | None, memory_fraction: 
 STATE_SHARE = 0.5
 
 
-def choose_num_slots(layout: CacheLayout, device: torch.device, config) -> int:
+def choose_num_slots(layout: CacheLayout, device: torch.device, config, per_sequence: int = 1) -> int:
     """State slots for a model with state layers: one per sequence up to ``max_num_seqs``, within
     :data:`STATE_SHARE` of the cache's byte budget (with an explicit ``num_blocks``, the states come
-    on top of it), and at least one."""
+    on top of it), and at least one.  ``per_sequence``: slots each sequence brings (2 with prefix
+    caching: a checkpoint slot each, :mod:`cbgen.core.checkpoints`)."""
     per_slot = layout.bytes_per_slot()
     slots = config.max_num_seqs
     if config.num_blocks is None:
         budget, _ = _budget(device, config.kv_cache_memory, config.kv_cache_memory_fraction)
-        slots = min(slots, int(budget * STATE_SHARE) // per_slot - 1)
+        slots = min(slots, int(budget * STATE_SHARE) // (per_slot * per_sequence) - 1)
     slots = max(1, slots)
     logger.info(
-        "state slots: %d sequences x %.2f MiB (%s)",
+        "state slots: %d sequences x %.2f MiB%s (%s)",
         slots,
         per_slot / 2**20,
+        f", and {slots * (per_sequence - 1)} checkpoints of as much" if per_sequence > 1 else "",
         "; ".join(g.describe() for g in layout.state_groups),
     )
     return slots
