@@ -249,6 +249,10 @@ OVERRIDES: dict[str, dict] = {
     },
 }
 OVERRIDES["qwen4_exp"] = {"text_config": OVERRIDES["qwen4_exp_text"]}
+# Mamba2 mixers chunk their prefill in ``chunk_size`` tokens (default 256, longer than the tiny
+# models' context): 16, so the matrix's prompts span several chunks and reach state checkpoints.
+for _mamba2 in ("bamba", "falcon_h1", "granitemoehybrid", "mamba2", "nemotron_h", "zamba2"):
+    OVERRIDES[_mamba2] = {**OVERRIDES.get(_mamba2, {}), "chunk_size": 16, "mamba_chunk_size": 16}
 OVERRIDES["dots3_note"] = {"text_config": OVERRIDES["dots3_note_text"]}
 # Causal-LM classes that take one sub-config of the mapping's config, not the whole config.
 CAUSAL_LM_SUB_CONFIG = {"musicgen": "decoder", "musicgen_melody": "decoder"}

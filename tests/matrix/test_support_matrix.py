@@ -28,8 +28,20 @@ SUBSET: dict[str, tuple[str, str]] = {
     "llama4_text": (matrix.EXACT, ""),
     "phi": (matrix.EXACT, ""),
     "gpt_oss": (matrix.EXACT, ""),  # attention sinks, sliding and full layers
-    "mamba": (matrix.REFUSED, "not softmax attention"),
-    "qwen3_next": (matrix.REFUSED, "'linear_attention'"),
+    # State layers, one entry per mixer kind: Gated DeltaNet (qwen3_5_text), Mamba2 (nemotron_h),
+    # Mamba1 (mamba; jamba, whose Mamba1 cannot continue a multi-token forward: one-piece prompts, no
+    # prefix hits), short convolution (lfm2), attention and Mamba2 in one layer (falcon_h1); and the
+    # refused ones: state on the module (recurrent_gemma), a legacy cache API (minimax), a sparse
+    # indexer (qwen4_exp_text).
+    "qwen3_5_text": (matrix.EXACT, ""),
+    "nemotron_h": (matrix.EXACT, ""),
+    "mamba": (matrix.EXACT, ""),
+    "jamba": (matrix.EXACT, "no prefix hits"),
+    "lfm2": (matrix.EXACT, ""),
+    "falcon_h1": (matrix.EXACT, ""),
+    "recurrent_gemma": (matrix.REFUSED, "attention interface"),
+    "minimax": (matrix.REFUSED, "uses cache of its own"),
+    "qwen4_exp_text": (matrix.REFUSED, "indexer"),
     "bart": (matrix.REFUSED, "not causal"),
     "bert": (matrix.EXACT, ""),  # an encoder family's decoder (is_decoder=True), absolute positions
     "roberta": (matrix.REFUSED, "different logits"),  # positions from input_ids, not position_ids

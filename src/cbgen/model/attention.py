@@ -334,9 +334,6 @@ def paged_attention_forward(
             f"{type(module).__name__} passes its own attention mask or bias to attention, which cbgen's "
             "paged kernels do not apply"
         )
-    calls = meta.derived.get("attention_calls")
-    if calls is not None:  # the start-up probe counts calls per layer (cbgen.model.support)
-        calls.append(module.layer_idx)
     layer = LayerAttention(
         scaling if scaling is not None else query.shape[-1] ** -0.5,
         sliding_window,
@@ -344,12 +341,21 @@ def paged_attention_forward(
         kwargs.get("s_aux"),
     )
     backend = meta.backend
-    if getattr(module, "layer_idx", None) is None:
-        raise NotImplementedError(
-            f"{type(module).__name__} has no layer index of its own (an attention block shared by several "
-            "layers, told its layer per call): cbgen's paged cache finds a layer's keys and values by it"
-        )
-    k_cache, v_cache = meta.kv_caches[module.layer_idx]
+    layer_idx = getattr(module, "layer_idx", None)
+    if layer_idx is None:
+        # An attention block shared by several layers (Zamba) is told its layer per call, and tells
+        # the cache object (a state model's StepStates records it) just before attending.
+        layer_idx = meta.derived.get("cache_layer")
+        if layer_idx is None:
+            raise NotImplementedError(
+                f"{type(module).__name__} has no layer index of its own (an attention block shared by "
+                "several layers, told its layer per call): cbgen's paged cache finds a layer's keys and "
+                "values by it"
+            )
+    calls = meta.derived.get("attention_calls")
+    if calls is not None:  # the start-up probe counts calls per layer (cbgen.model.support)
+        calls.append(layer_idx)
+    k_cache, v_cache = meta.kv_caches[layer_idx]
 
     q = query[0].transpose(0, 1)  # [T, H, D]
     k, v = key[0].transpose(0, 1), value[0].transpose(0, 1)

@@ -21,6 +21,8 @@ from cbgen.utils import advise_huge_pages
 logger = logging.getLogger("cbgen")
 
 CPU_DEFAULT_CAP = 2 << 30
+# Blocks of a kv group without layers (they hold nothing; each is a Python object in the pool).
+COUNTING_BLOCKS = 1 << 16
 
 
 def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -68,8 +70,9 @@ def choose_num_blocks(
         budget, source = _budget(device, kv_cache_memory, memory_fraction)
         budget -= (num_slots + 1) * layout.bytes_per_slot()
         cap = max(-(-max_useful_tokens // g.block_size) for g in groups)
-        # A model without attention layers (pure state-space) keeps no KV: its blocks only count.
-        chosen = budget // per_block if per_block else cap
+        # A model without attention layers (pure state-space) keeps no KV: its blocks only count
+        # tokens (and carry prefix hashes), so a pool of COUNTING_BLOCKS is plenty.
+        chosen = budget // per_block if per_block else min(cap, COUNTING_BLOCKS)
         if chosen > cap:
             chosen, source = cap, source + ", capped at max_num_seqs x max_model_len"
         if chosen < 1:

@@ -308,7 +308,9 @@ class ModelRunner:
                 piece.meta.kv_caches = self.kv_cache.layers
                 piece.meta.backend = self.attn_backend
                 shape = piece.shape
-                states = StepStates(self.kv_cache.states, piece.slots, piece.fresh, piece.past)
+                states = StepStates(
+                    self.kv_cache.states, piece.slots, piece.fresh, piece.past, piece.meta.derived
+                )
                 keep, dest, src = state_pieces.logits_rows(piece, batch.logits_indices)
                 with self._rotary_view(batch, piece.tokens), attention.step_metadata(piece.meta):
                     logits = self.model(
