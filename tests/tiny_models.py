@@ -145,3 +145,36 @@ def make_wide_model(
     return make_model(
         arch, seed=seed, dtype=dtype, **{**WIDE_COMMON, **extra, **WIDE_ARCHS[arch], **overrides}
     )
+
+
+# Models with state layers, one per mixer kind, from the support matrix's shrunk configs
+# (tests/matrix/shrink.py): kind -> transformers model type.
+STATE_KINDS: dict[str, str] = {
+    "gdn": "qwen3_5_text",  # Gated DeltaNet 3:1 with gated full attention (Qwen3.5), chunk 64
+    "mamba2": "nemotron_h",  # Mamba2 and attention layers (Nemotron-H), chunk 16 in the tiny config
+    "mamba1": "mamba",  # pure Mamba1, a sequential scan: prompts cut anywhere
+    "conv": "lfm2",  # short convolution and attention (LFM2), no recurrent state
+    "hybrid_layer": "falcon_h1",  # attention and Mamba2 in the same layer (Falcon-H1)
+}
+
+
+def _shrink():
+    """tests/matrix/shrink.py under a name of its own (tests/matrix is not a package, and the name
+    ``matrix`` is its harness module's)."""
+    import importlib.util
+    import pathlib
+    import sys
+
+    name = "cbgen_tests_shrink"
+    if name not in sys.modules:
+        path = pathlib.Path(__file__).parent / "matrix" / "shrink.py"
+        spec = importlib.util.spec_from_file_location(name, path)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    return sys.modules[name]
+
+
+def make_state_model(kind: str, seed: int = 0, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    """A tiny random model with state layers of ``kind`` (a key of :data:`STATE_KINDS`), eval mode."""
+    return _shrink().build_model(STATE_KINDS[kind], seed=seed, dtype=dtype)

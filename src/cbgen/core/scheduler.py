@@ -274,6 +274,9 @@ class Scheduler:
                 i += 1  # its last token is in flight and ends it: nothing left to compute
                 continue
             num_new = self.span(request, request.num_computed_tokens, budget)
+            if num_new < 1:
+                i += 1  # nothing left to compute (its last token's logits are being sampled)
+                continue
             if request.draft_token_ids:
                 num_new = self._with_drafts(request, num_new, budget)
             if not bm.fits(request.num_computed_tokens + num_new):
