@@ -9,7 +9,9 @@ generation paths too.  ``--backend``:
 
 ``--model tiny`` (the default) is a 2-layer Llama with SmolLM2's 49,152-token tokenizer: the
 vocabulary is real (the sampler's cost is), the forward costs little, so the run measures the
-generation backends rather than matrix multiplies.  ``--model smollm2`` is SmolLM2-135M-Instruct.
+generation backends rather than matrix multiplies.  ``--model tiny-qwen3_5`` is a 4-layer Qwen3.5
+hybrid (three Gated DeltaNet layers, one gated full-attention layer) with the same tokenizer.
+``--model smollm2`` is SmolLM2-135M-Instruct.
 Nothing is downloaded: SmolLM2's tokenizer and weights come from the GGUF bundled with the package.
 
 The task is verifiable and learnable from scratch ("shout"): the reward is the fraction of completion
@@ -56,6 +58,32 @@ def _model(kind: str, seed: int):
     tok.padding_side = "left"
     if kind == "smollm2":
         model = transformers.AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32)
+        return model, tok
+    if kind == "tiny-qwen3_5":
+        # Qwen3.5's hybrid: Gated DeltaNet and gated full attention layers, 3:1.
+        config = transformers.Qwen3_5TextConfig(
+            vocab_size=len(tok),
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=4,
+            layer_types=["linear_attention"] * 3 + ["full_attention"],
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            linear_num_key_heads=2,
+            linear_num_value_heads=4,
+            linear_key_head_dim=16,
+            linear_value_head_dim=16,
+            max_position_embeddings=1024,
+            bos_token_id=tok.bos_token_id,
+            eos_token_id=tok.eos_token_id,
+            pad_token_id=tok.pad_token_id,
+            tie_word_embeddings=True,
+        )
+        torch.manual_seed(seed)
+        model = transformers.Qwen3_5ForCausalLM(config)
+        model.generation_config.eos_token_id = tok.eos_token_id
+        model.generation_config.pad_token_id = tok.pad_token_id
         return model, tok
     config = transformers.LlamaConfig(
         vocab_size=len(tok),
@@ -228,7 +256,7 @@ def main() -> None:
     """Command line (see the module docstring)."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     ap.add_argument("--backend", choices=["cbgen", "trl", "trl-cb"], default="cbgen")
-    ap.add_argument("--model", choices=["tiny", "smollm2"], default="tiny")
+    ap.add_argument("--model", choices=["tiny", "tiny-qwen3_5", "smollm2"], default="tiny")
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--prompts-per-step", type=int, default=4)
     ap.add_argument("--num-generations", type=int, default=8)

@@ -1,7 +1,8 @@
 """Engine fuzz test: random configurations and operation sequences through the real engine, held to
 the oracles (issue #15).
 
-Each example builds a fresh tiny model (Llama, Qwen2 or Gemma2) and an engine with random cache
+Each example builds a fresh tiny model (Llama, Qwen2, Gemma2, or a Qwen3.5 hybrid with state
+layers) and an engine with random cache
 geometry, budgets, ``max_num_seqs``, prefix caching and sync or overlap scheduling, then interleaves
 adding requests (shared prefixes, n>1, greedy / seeded / prompt-logprob kinds), steps, aborts and
 in-place weight changes.  After the last operation it drains and checks:
@@ -34,7 +35,7 @@ from hypothesis import strategies as st
 from cbgen import LLM, SamplingParams
 from engine_liveness import LivenessWatch
 from oracle import check_divergence, hf_greedy
-from tiny_models import make_model
+from tiny_models import make_model, make_state_model
 
 VOCAB = 128
 EXAMPLES = int(os.environ.get("FUZZ_EXAMPLES", "12"))
@@ -44,6 +45,9 @@ BASE_MODELS = {
     arch: make_model(arch, vocab_size=VOCAB, max_position_embeddings=256)
     for arch in ("llama", "qwen2", "gemma2")
 }
+# A hybrid with state layers (Gated DeltaNet and attention, Qwen3.5's): state slots, aligned
+# prefill chunks, checkpoints and one-token replays after preemption under the same operations.
+BASE_MODELS["qwen3_5"] = make_state_model("gdn")
 
 
 @dataclass
@@ -158,6 +162,8 @@ def _run(arch: str, config: dict, ops: list) -> None:
         drain += 1
 
     assert engine.block_manager.num_used_blocks == 0
+    slots = engine.block_manager.slots
+    assert slots is None or slots.num_free == slots.num_slots, "a state slot was not freed"
     assert set(finished) == {s.rid for s in specs}
     assert all(len(v) == 1 for v in finished.values()), "a request ended twice"
     s = engine.stats

@@ -21,7 +21,7 @@ trl = require_extra("trl")
 datasets = require_extra("datasets")
 
 from cbgen.integrations.trl import _from_generation_kwargs, _groups, cbgen_rollout_func  # noqa: E402
-from tiny_models import make_model  # noqa: E402
+from tiny_models import make_model, make_state_model  # noqa: E402
 from tiny_tokenizer import make_tokenizer  # noqa: E402
 
 N = 4
@@ -41,8 +41,8 @@ def _reward_digits(completions, **kwargs):
     return [sum(c.isdigit() for c in text) / max(len(text), 1) for text in completions]
 
 
-def _trainer(tmp_path, rollout, peft_config=None, **config):
-    model = make_model("llama")
+def _trainer(tmp_path, rollout, peft_config=None, model=None, **config):
+    model = make_model("llama") if model is None else model
     tok = make_tokenizer()
     tok.padding_side = "left"
     prompts = ["The weather in Paris", "Count to ten", "What is the answer", "Name a city", "yes or no"]
@@ -115,6 +115,27 @@ def test_grpo_trainer_runs_on_cbgen(tmp_path, lora, monkeypatch):
             f"largest difference {float((old - ours)[mask].abs().max()):.2e}, {float(apart.max()):.0f} ulps"
         )
         assert float(apart.max()) <= ULPS
+    losses = [e["loss"] for e in trainer.state.log_history if "loss" in e]
+    assert len(losses) == 3 and all(math.isfinite(x) for x in losses)
+
+
+def test_grpo_trainer_runs_on_a_qwen3_5_hybrid(tmp_path, monkeypatch):
+    """A Qwen3.5 hybrid (Gated DeltaNet and attention layers) through TRL's GRPOTrainer: the rollouts'
+    logprobs (decode form) equal TRL's recomputation (its forward's chunk form) to rounding, and
+    the engine follows the optimizer's weights with its state slots."""
+    monkeypatch.setenv("TRL_EXPERIMENTAL_SILENCE", "1")
+    rollout = cbgen_rollout_func(num_blocks=128)
+    trainer, seen = _trainer(tmp_path, rollout, model=make_state_model("gdn"))
+    trainer.train()
+    llm = rollout.llm_for(trainer)
+    assert llm.weight_version >= 1 and llm.engine.runner.plan.cache.state_groups
+    assert seen
+    for out in seen:
+        mask = out["completion_mask"].bool()
+        old, ours = out["old_per_token_logps"], out["sampling_per_token_logps"]
+        assert mask.any()
+        # The recurrent and chunk forms round differently: a few float32 ulps of the logits.
+        assert float((old - ours)[mask].abs().max()) < 1e-4
     losses = [e["loss"] for e in trainer.state.log_history if "loss" in e]
     assert len(losses) == 3 and all(math.isfinite(x) for x in losses)
 

@@ -39,7 +39,7 @@ SUBSET: dict[str, tuple[str, str]] = {
     "jamba": (matrix.EXACT, "no prefix hits"),
     "lfm2": (matrix.EXACT, ""),
     "falcon_h1": (matrix.EXACT, ""),
-    "recurrent_gemma": (matrix.REFUSED, "attention interface"),
+    "recurrent_gemma": (matrix.REFUSED, "keep their state elsewhere"),
     "minimax": (matrix.REFUSED, "uses cache of its own"),
     "qwen4_exp_text": (matrix.REFUSED, "indexer"),
     "bart": (matrix.REFUSED, "not causal"),

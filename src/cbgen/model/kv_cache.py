@@ -67,8 +67,9 @@ def choose_num_blocks(
         source = "num_blocks"
         chosen = num_blocks
     else:
-        budget, source = _budget(device, kv_cache_memory, memory_fraction)
-        budget -= (num_slots + 1) * layout.bytes_per_slot()
+        states = (num_slots + 1) * layout.bytes_per_slot()
+        budget, source = _budget(device, kv_cache_memory, memory_fraction, reserved=states)
+        budget -= states
         cap = max(-(-max_useful_tokens // g.block_size) for g in groups)
         # A model without attention layers (pure state-space) keeps no KV: its blocks only count
         # tokens (and carry prefix hashes), so a pool of COUNTING_BLOCKS is plenty.
@@ -98,15 +99,19 @@ def choose_num_blocks(
     return chosen
 
 
-def _budget(device: torch.device, kv_cache_memory: int | None, memory_fraction: float) -> tuple[int, str]:
-    """The cache's byte budget and where it came from."""
+def _budget(
+    device: torch.device, kv_cache_memory: int | None, memory_fraction: float, reserved: int | None = 0
+) -> tuple[int, str]:
+    """The cache's byte budget and where it came from.  On CPU a fraction of free memory is capped
+    at :data:`CPU_DEFAULT_CAP` of KV blocks on top of ``reserved`` bytes of states (None: uncapped)."""
     if kv_cache_memory is not None:
         return int(kv_cache_memory), "kv_cache_memory"
     budget = int(available_memory(device) * memory_fraction)
     source = f"{memory_fraction:.0%} of free {device.type} memory"
-    if device.type == "cpu" and budget > CPU_DEFAULT_CAP:
+    if reserved is not None and device.type == "cpu" and budget > CPU_DEFAULT_CAP + reserved:
         # CPU throughput saturates long before RAM does; zeroing gigabytes only costs start-up.
-        budget, source = CPU_DEFAULT_CAP, source + f", capped at {CPU_DEFAULT_CAP >> 30} GiB on CPU"
+        budget = CPU_DEFAULT_CAP + reserved
+        source += f", KV capped at {CPU_DEFAULT_CAP >> 30} GiB on CPU"
     return budget, source
 
 
@@ -116,13 +121,13 @@ STATE_SHARE = 0.5
 
 def choose_num_slots(layout: CacheLayout, device: torch.device, config, per_sequence: int = 1) -> int:
     """State slots for a model with state layers: one per sequence up to ``max_num_seqs``, within
-    :data:`STATE_SHARE` of the cache's byte budget (with an explicit ``num_blocks``, the states come
-    on top of it), and at least one.  ``per_sequence``: slots each sequence brings (2 with prefix
+    :data:`STATE_SHARE` of the cache's byte budget (on CPU, of the fraction of free memory before
+    the KV cap; with an explicit ``num_blocks``, the states come on top of it), and at least one.  ``per_sequence``: slots each sequence brings (2 with prefix
     caching: a checkpoint slot each, :mod:`cbgen.core.checkpoints`)."""
     per_slot = layout.bytes_per_slot()
     slots = config.max_num_seqs
     if config.num_blocks is None:
-        budget, _ = _budget(device, config.kv_cache_memory, config.kv_cache_memory_fraction)
+        budget, _ = _budget(device, config.kv_cache_memory, config.kv_cache_memory_fraction, reserved=None)
         slots = min(slots, int(budget * STATE_SHARE) // (per_slot * per_sequence) - 1)
     slots = max(1, slots)
     logger.info(
