@@ -12,7 +12,7 @@ import torch
 from cbgen import LLM, SamplingParams
 from cbgen.model.support import UnsupportedModelError
 from oracle import FP32, compare, hf_greedy
-from tiny_models import STATE_KINDS, make_state_model
+from tiny_models import STATE_KINDS, make_state_model, make_wide_state_model
 
 KINDS = sorted(STATE_KINDS)
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
@@ -183,3 +183,25 @@ def test_info_shows_the_state_groups():
     assert llm.engine.kv_cache.num_slots == pools.slots.num_slots + pools.checkpoints.capacity
     per_slot = layout.bytes_per_slot()
     assert llm.engine.kv_cache.nbytes >= (llm.engine.kv_cache.num_slots + 1) * per_slot
+
+
+def test_a_wide_hybrid_runs_its_projections_packed_and_exact():
+    """Projections over the packing threshold run the plan's packed GEMMs in the module forward (on
+    the engine's thread only); greedy tokens still equal generate() through chunked prefill, a
+    prefix hit and n > 1, and the model's own forward is untouched on this thread afterwards."""
+    model = make_wide_state_model()
+    llm = LLM(model, max_num_batched_tokens=64, block_size=16)
+    runner = llm.engine.runner
+    assert runner.state_linears is not None and runner.plan.gemms.packs
+    assert len(runner._projections) >= 8  # every decoder projection and the LM head
+    prompts = _prompts([20, 100, 150], seed=11)
+    prompts.append([*prompts[2][:128], 7, 8, 9])  # a hit at the checkpoint at 128
+    refs = [hf_greedy(model, p, GREEDY.max_tokens) for p in prompts]
+    got = _tokens(llm.generate(prompts[:3], GREEDY, use_tqdm=False))
+    before = llm.stats.prefix_cache_hits
+    got += _tokens(llm.generate(prompts[3:], GREEDY, use_tqdm=False))
+    assert llm.stats.prefix_cache_hits - before == 128
+    compare(model, prompts, got, refs, FP32)
+    forked = llm.generate([prompts[1]], SamplingParams(n=3, max_tokens=8, temperature=0.0, ignore_eos=True))
+    assert [c.token_ids for c in forked[0].outputs] == [refs[1][:8]] * 3
+    assert all("forward" not in vars(m) for m in runner._projections)

@@ -178,3 +178,37 @@ def _shrink():
 def make_state_model(kind: str, seed: int = 0, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
     """A tiny random model with state layers of ``kind`` (a key of :data:`STATE_KINDS`), eval mode."""
     return _shrink().build_model(STATE_KINDS[kind], seed=seed, dtype=dtype)
+
+
+def make_wide_state_model(seed: int = 0, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    """A Qwen3.5 hybrid (Gated DeltaNet, then gated full attention) wide enough that its projections
+    run the packed GEMMs (every weight over the packing threshold, as in :data:`WIDE_COMMON`)."""
+    config = transformers.Qwen3_5TextConfig(
+        vocab_size=1024,
+        hidden_size=256,
+        intermediate_size=1024,
+        num_hidden_layers=2,
+        layer_types=["linear_attention", "full_attention"],
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        linear_num_key_heads=4,
+        linear_num_value_heads=4,
+        linear_key_head_dim=64,
+        linear_value_head_dim=64,
+        max_position_embeddings=512,
+        tie_word_embeddings=False,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+    )
+    torch.manual_seed(seed)
+    model = transformers.Qwen3_5ForCausalLM(config).to(dtype)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() >= 2:
+                p.normal_(0.0, 0.08)
+    perturb_vectors(model, seed)
+    model.generation_config.eos_token_id = 2
+    model.generation_config.pad_token_id = 0
+    return model.eval()

@@ -162,8 +162,9 @@ class ExecutionPlan:
         if self.attention == "cpu":
             entries.append(("decode loops", self.decode_loops, self.decode_loops_why))
         entries += [("forward", self.forward, self.forward_why)]
-        if self.forward == "fused":
+        if self.forward == "fused" or (self.cache.state_groups and self.gemms is not None):
             entries += self._gemm_entries(per_class)
+        if self.forward == "fused":
             c_step = ", ".join(c for c in ROW_CLASSES if c in self.c_step) or "none"
             entries.append(("C decode step", c_step, self.c_step_why))
         entries += [
@@ -233,6 +234,9 @@ def resolve_plan(
         decode_mode, decode_mode_why = "eager", STATE_FORWARD_WHY
         forward, forward_why = "module", STATE_FORWARD_WHY
     gemms, shapes, c_step, c_step_why = None, (), frozenset(), "not with the module forward"
+    if cache.state_groups and device.type == "cpu" and cpu_kernels.supports(dtype):
+        # The module forward of a state model runs its projections through packed GEMMs.
+        gemms, shapes = _state_gemms(model, config.prepack_weights, previous)
     if forward == "fused":
         gemms, shapes = _gemms(model, config.prepack_weights, previous)
         c_step, c_step_why = fused_forward.c_step_classes(model, gemms, config.max_num_seqs)
@@ -467,6 +471,19 @@ def _gemms(
     ):
         return previous.gemms, shapes
     return fused_forward.choose_gemms(model, prepack), shapes
+
+
+def _state_gemms(
+    model: nn.Module, prepack: bool, previous: ExecutionPlan | None
+) -> tuple[GemmPlan, tuple[tuple[int, int], ...]]:
+    from cbgen.model.state_cache import choose_projection_gemms, projections
+
+    shapes = tuple(sorted({tuple(m.weight.shape) for m in projections(model)}))
+    if previous is not None and previous.gemms is not None and previous.gemm_shapes == shapes:
+        return previous.gemms, shapes
+    if not shapes:
+        return None, ()
+    return choose_projection_gemms(model, prepack), shapes
 
 
 def _decode_loops(

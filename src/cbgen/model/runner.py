@@ -26,13 +26,14 @@ from cbgen.model import attention, state_pieces, thread_view
 from cbgen.model.backends import make_backend
 from cbgen.model.cpu_fast import decode_loops
 from cbgen.model.cpu_fast.fused_forward import FusedDecoder
+from cbgen.model.cpu_fast.packed_linears import PackedLinears
 from cbgen.model.cpu_fast.qualify import StructureWatch
 from cbgen.model.graphs import StaticDecodeRunner
 from cbgen.model.input_batch import ModelInput
 from cbgen.model.kv_cache import KVCache
 from cbgen.model.plan import PARITY_MODULE_WHY, ExecutionPlan, resolve_again
 from cbgen.model.rotary import LengthRotary
-from cbgen.model.state_cache import StepStates
+from cbgen.model.state_cache import StepStates, projections
 
 log = logging.getLogger("cbgen")
 
@@ -138,6 +139,7 @@ class ModelRunner:
             )
         self.plan = plan
         self.fused: FusedDecoder | None = None
+        self.state_linears: PackedLinears | None = None
         # Parity mode's packed weights, made on first use and dropped on a weight change.
         self.parity_packs = WeightPacks(self.model) if plan.parity else None
         self.direct: ParityDirectForward | None = None
@@ -147,6 +149,10 @@ class ModelRunner:
         self._step: Callable[[ModelRunner, ModelInput, attention.AttentionMetadata], torch.Tensor]
         if plan.cache.state_groups:
             self._step = ModelRunner._state_step
+            # The projections' packed GEMMs (the plan's per row class), applied on this thread only.
+            if plan.gemms is not None and plan.gemms.packs:
+                self.state_linears = PackedLinears(plan.dtype, plan=plan.gemms)
+                self._projections = projections(self.model)
         elif plan.forward == "fused":
             self.fused = FusedDecoder(self.model, self.attn_backend, plan.gemms, plan.c_step)
             self._step = ModelRunner._fused_step
@@ -303,7 +309,7 @@ class ModelRunner:
         each with a :class:`StepStates` over its rows' state slots, their logits gathered into the
         step's logits rows."""
         out: torch.Tensor | None = None
-        with self._module_view():
+        with self._module_view(), self._packed_projections():
             for piece in batch.pieces:
                 piece.meta.kv_caches = self.kv_cache.layers
                 piece.meta.backend = self.attn_backend
@@ -328,6 +334,27 @@ class ModelRunner:
                     out = logits.new_empty((batch.logits_indices.shape[0], logits.shape[-1]))
                 out[dest] = logits[src]
         return out
+
+    @contextlib.contextmanager
+    def _packed_projections(self) -> Iterator[None]:
+        """For this thread's forwards only: the projections run the plan's packed GEMMs
+        (:class:`PackedLinears`, repacked when a weight changes); other threads run them as they are."""
+        packed = self.state_linears
+        if packed is None:
+            yield
+            return
+
+        def linear(module: torch.nn.Linear):
+            def forward(x: torch.Tensor) -> torch.Tensor:
+                rows = x.reshape(-1, x.shape[-1])
+                return packed(rows, module).view(*x.shape[:-1], module.out_features)
+
+            return forward
+
+        with contextlib.ExitStack() as stack:
+            for module in self._projections:
+                stack.enter_context(thread_view.forward(module, linear(module)))
+            yield
 
     def _fused_step(self, batch: ModelInput, meta: attention.AttentionMetadata) -> torch.Tensor:
         # No module view: the fused path calls no module whose result depends on the attention
@@ -371,6 +398,8 @@ class ModelRunner:
             self._replan("the weights changed with the model's structure")
         elif self.fused is not None:
             self.fused.weights_changed()
+        if self.state_linears is not None:
+            self.state_linears.clear()
         if self.parity_packs is not None:
             self.parity_packs.clear()
         if self.direct is not None:
@@ -384,6 +413,8 @@ class ModelRunner:
             self.static.release()
         if self.fused is not None:
             self.fused.weights_changed()
+        if self.state_linears is not None:
+            self.state_linears.clear()
         if self.parity_packs is not None:
             self.parity_packs.clear()
         if self.direct is not None:

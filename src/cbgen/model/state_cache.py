@@ -247,3 +247,38 @@ class StepStates:
             return
         for (name, layer), rows in self._rows.items():
             self._states[(name, layer)].index_copy_(0, self._slots, rows)
+
+
+def projections(model: torch.nn.Module) -> list[torch.nn.Linear]:
+    """The decoder's projections worth a packed GEMM (:mod:`cbgen.model.cpu_fast.packed_linears`):
+    every ``nn.Linear`` with a 2-D weight of at least the packing threshold, LM head included."""
+    from cbgen.model.cpu_fast.packed_linears import packable
+
+    return [
+        m
+        for m in model.modules()
+        if type(m) is torch.nn.Linear and m.weight.dim() == 2 and packable(m.weight.numel())
+    ]
+
+
+def choose_projection_gemms(model: torch.nn.Module, prepack: bool):
+    """The projection GEMM per row class for a state model's module forward: measured once per
+    machine and set of shapes (:func:`cbgen.model.cpu_fast.gemm_choice.choose`), or plain
+    ``F.linear`` without ``prepack``."""
+    from cbgen.model.cpu_fast import gemm_choice
+
+    if not prepack:
+        return gemm_choice.GemmPlan(gemm_choice.PLAIN, gemm_choice.PLAIN, source="prepack_weights=False")
+    linears = projections(model)
+    dtype = linears[0].weight.dtype
+    shapes = sorted({tuple(m.weight.shape) for m in linears})
+
+    def make_layers() -> list[list[torch.Tensor]]:
+        per_layer = sum(n * k for n, k in shapes) * linears[0].weight.element_size()
+        count = gemm_choice.timing_layer_count(per_layer, max(1, len(linears) // max(1, len(shapes))))
+        by_shape: dict[tuple, list[torch.Tensor]] = {}
+        for m in linears:
+            by_shape.setdefault(tuple(m.weight.shape), []).append(m.weight.detach())
+        return [[ws[i % len(ws)] for ws in by_shape.values()] for i in range(count)]
+
+    return gemm_choice.choose(dtype, shapes, make_layers)
