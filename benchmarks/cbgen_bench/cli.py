@@ -141,6 +141,13 @@ def _add_run_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--tiny", action="store_true", help="shrink every workload to a few prompts and tokens")
     p.add_argument(
+        "--scale",
+        type=_share,
+        default=1.0,
+        help="run this share of the chat and grpo prompts (0 < scale <= 1; for models too slow for "
+        "the full sets, e.g. a 0.5B model in float32 on two cores) (1)",
+    )
+    p.add_argument(
         "--vllm-python",
         default=None,
         metavar="PATH",
@@ -252,6 +259,13 @@ def main(argv: list[str] | None = None) -> int:
         return _main(list(sys.argv[1:] if argv is None else argv))
 
 
+def _share(text: str) -> float:
+    value = float(text)
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {text}")
+    return value
+
+
 def _main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)  # every number checked as it is parsed
     plan = _plan(args)
@@ -262,6 +276,7 @@ def _main(argv: list[str]) -> int:
         batch_size=args.batch_size,
         profile=args.profile,
         tiny=args.tiny,
+        scale=args.scale,
         vllm_python=args.vllm_python,
         model=args.model,
     )
@@ -320,7 +335,14 @@ def _bench_workload(
     """Builds workload ``name``, times the matmul ceiling around its engines' runs, and its cold starts."""
     key = args.model or DEFAULT_MODELS[name]
     model, tokenizer = model_for(key)
-    wl = build_workload(name, tiny=args.tiny, model=key, vocab_size=vocab_size_of(model), tokenizer=tokenizer)
+    wl = build_workload(
+        name,
+        tiny=args.tiny,
+        model=key,
+        vocab_size=vocab_size_of(model),
+        tokenizer=tokenizer,
+        scale=args.scale,
+    )
     got.workloads[name] = wl
     log(
         f"{name}: {wl.description} on {key} ({wl.prompt_tokens:,} prompt + {wl.output_tokens:,} output tokens)"

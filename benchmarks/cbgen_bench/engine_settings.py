@@ -37,6 +37,7 @@ class BenchOptions:
     batch_size: int = 0  # hf-generate; 0 = all prompts in one batch
     profile: bool = False
     tiny: bool = False
+    scale: float = 1.0  # share of the chat/grpo prompts to run (models too slow for the full set)
     vllm_python: str | None = None
     model: str | None = None  # overrides every workload's model key
 

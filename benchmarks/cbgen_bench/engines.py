@@ -94,6 +94,7 @@ def _worker(argv: list[str]) -> int:
         model=spec["model"],
         vocab_size=vocab_size_of(model),
         tokenizer=tokenizer,
+        scale=opts.scale,
     )
     result = run_engine(spec["engine"], workload, model, opts, spec["model"])
     Path(argv[1]).write_text(json.dumps(result.to_dict()))

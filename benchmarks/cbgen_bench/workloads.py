@@ -196,10 +196,13 @@ def heavy_tailed_lengths(
     return np.clip(np.rint(raw), lo, hi).astype(int).tolist()
 
 
-def build_workload(name: str, *, tiny: bool, model: str, vocab_size: int, tokenizer: Any = None) -> Workload:
+def build_workload(
+    name: str, *, tiny: bool, model: str, vocab_size: int, tokenizer: Any = None, scale: float = 1.0
+) -> Workload:
     """Builds workload ``name`` for a model with ``vocab_size`` ids.
 
-    ``tiny`` shrinks it to a few prompts and tokens (for tests).  ``tokenizer`` (with a chat template)
+    ``tiny`` shrinks it to a few prompts and tokens (for tests); ``scale`` keeps that share of the
+    chat and grpo prompts (the first ones), for models too slow for the full sets.  ``tokenizer`` (with a chat template)
     is needed by ``chat`` and ``grpo``; without one, SmolLM2's tokenizer is loaded and ids are folded.
     """
     if name not in WORKLOAD_NAMES:
@@ -210,7 +213,7 @@ def build_workload(name: str, *, tiny: bool, model: str, vocab_size: int, tokeni
         tokenizer = smollm2_tokenizer()
 
     if name == "chat":
-        count, new = (2, 4) if tiny else (64, 128)
+        count, new = (2, 4) if tiny else (max(1, round(64 * scale)), 128)
         prompts = chat_prompts(count, tokenizer, vocab_size)
         return Workload(
             name,
@@ -232,7 +235,7 @@ def build_workload(name: str, *, tiny: bool, model: str, vocab_size: int, tokeni
             description=f"{count} random prompts of {lo}-{hi} tokens, {new} new tokens, greedy, ignore_eos",
         )
     if name == "grpo":
-        count, n, new = (2, 4, 8) if tiny else (16, 8, 128)
+        count, n, new = (2, 4, 8) if tiny else (max(1, round(16 * scale)), 8, 128)
         prompts = chat_prompts(count, tokenizer, vocab_size)
         return Workload(
             name,
