@@ -59,37 +59,10 @@ def _model(kind: str, seed: int):
     if kind == "smollm2":
         model = transformers.AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32)
         return model, tok
-    if kind == "tiny-qwen3_5":
-        # Qwen3.5's hybrid: Gated DeltaNet and gated full attention layers, 3:1.
-        config = transformers.Qwen3_5TextConfig(
-            vocab_size=len(tok),
-            hidden_size=64,
-            intermediate_size=128,
-            num_hidden_layers=4,
-            layer_types=["linear_attention"] * 3 + ["full_attention"],
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            head_dim=16,
-            linear_num_key_heads=2,
-            linear_num_value_heads=4,
-            linear_key_head_dim=16,
-            linear_value_head_dim=16,
-            max_position_embeddings=1024,
-            bos_token_id=tok.bos_token_id,
-            eos_token_id=tok.eos_token_id,
-            pad_token_id=tok.pad_token_id,
-            tie_word_embeddings=True,
-        )
-        torch.manual_seed(seed)
-        model = transformers.Qwen3_5ForCausalLM(config)
-        model.generation_config.eos_token_id = tok.eos_token_id
-        model.generation_config.pad_token_id = tok.pad_token_id
-        return model, tok
-    config = transformers.LlamaConfig(
+    common = dict(
         vocab_size=len(tok),
         hidden_size=64,
         intermediate_size=128,
-        num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=2,
         max_position_embeddings=1024,
@@ -98,8 +71,22 @@ def _model(kind: str, seed: int):
         pad_token_id=tok.pad_token_id,
         tie_word_embeddings=True,
     )
+    if kind == "tiny-qwen3_5":
+        # Qwen3.5's hybrid: Gated DeltaNet and gated full attention layers, 3:1.
+        config = transformers.Qwen3_5TextConfig(
+            **common,
+            num_hidden_layers=4,
+            layer_types=["linear_attention"] * 3 + ["full_attention"],
+            head_dim=16,
+            linear_num_key_heads=2,
+            linear_num_value_heads=4,
+            linear_key_head_dim=16,
+            linear_value_head_dim=16,
+        )
+    else:
+        config = transformers.LlamaConfig(**common, num_hidden_layers=2)
     torch.manual_seed(seed)
-    model = transformers.LlamaForCausalLM(config)
+    model = transformers.AutoModelForCausalLM.from_config(config)
     model.generation_config.eos_token_id = tok.eos_token_id
     model.generation_config.pad_token_id = tok.pad_token_id
     return model, tok

@@ -178,6 +178,8 @@ def test_info_shows_the_state_groups():
     layout = llm.engine.runner.plan.cache
     text = layout.describe()
     assert "state conv0" in text and "state recurrent0" in text and "multiples of 64" in text
+    report = llm.engine.runner.plan.report()  # what `cbgen info` prints
+    assert "MiB of state a sequence" in report and "state recurrent0" in report
     pools = llm.engine.scheduler.block_manager
     # Slots for running sequences and as many checkpoints, charged to the cache's memory.
     assert llm.engine.kv_cache.num_slots == pools.slots.num_slots + pools.checkpoints.capacity

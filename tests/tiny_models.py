@@ -87,7 +87,12 @@ def make_model(arch: str, seed: int = 0, dtype: torch.dtype = torch.float32, **o
     model = transformers.AutoModelForCausalLM.from_config(
         config, dtype=dtype, attn_implementation="sdpa" if arch != "gemma2" else "eager"
     )
-    # Larger init than the default 0.02 makes logits less flat, so greedy ties are rare.
+    return _initialised(model, seed)
+
+
+def _initialised(model: torch.nn.Module, seed: int) -> torch.nn.Module:
+    """``model`` with the tests' weights, in eval mode: matrices drawn larger than the default 0.02
+    (logits less flat, so greedy ties are rare), vectors perturbed (:func:`perturb_vectors`)."""
     with torch.no_grad():
         for _name, p in model.named_parameters():
             if p.dim() >= 2:
@@ -203,12 +208,4 @@ def make_wide_state_model(seed: int = 0, dtype: torch.dtype = torch.float32) -> 
         pad_token_id=0,
     )
     torch.manual_seed(seed)
-    model = transformers.Qwen3_5ForCausalLM(config).to(dtype)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() >= 2:
-                p.normal_(0.0, 0.08)
-    perturb_vectors(model, seed)
-    model.generation_config.eos_token_id = 2
-    model.generation_config.pad_token_id = 0
-    return model.eval()
+    return _initialised(transformers.Qwen3_5ForCausalLM(config).to(dtype), seed)

@@ -121,15 +121,13 @@ STATE_SHARE = 0.5
 
 def choose_num_slots(layout: CacheLayout, device: torch.device, config, per_sequence: int = 1) -> int:
     """State slots for a model with state layers: one per sequence up to ``max_num_seqs``, within
-    :data:`STATE_SHARE` of the cache's byte budget (on CPU, of the fraction of free memory before
-    the KV cap; with an explicit ``num_blocks``, the states come on top of it), and at least one.  ``per_sequence``: slots each sequence brings (2 with prefix
+    :data:`STATE_SHARE` of the cache's byte budget (``kv_cache_memory``, else the fraction of free
+    memory, before the CPU's KV cap, also when ``num_blocks`` sizes the blocks), and at least one.  ``per_sequence``: slots each sequence brings (2 with prefix
     caching: a checkpoint slot each, :mod:`cbgen.core.checkpoints`)."""
     per_slot = layout.bytes_per_slot()
-    slots = config.max_num_seqs
-    if config.num_blocks is None:
-        budget, _ = _budget(device, config.kv_cache_memory, config.kv_cache_memory_fraction, reserved=None)
-        slots = min(slots, int(budget * STATE_SHARE) // (per_slot * per_sequence) - 1)
-    slots = max(1, slots)
+    # Whatever sized the blocks (an explicit ``num_blocks`` too), states stay within the budget.
+    budget, _ = _budget(device, config.kv_cache_memory, config.kv_cache_memory_fraction, reserved=None)
+    slots = max(1, min(config.max_num_seqs, int(budget * STATE_SHARE) // (per_slot * per_sequence) - 1))
     logger.info(
         "state slots: %d sequences x %.2f MiB%s (%s)",
         slots,

@@ -162,6 +162,10 @@ class ExecutionPlan:
         if self.attention == "cpu":
             entries.append(("decode loops", self.decode_loops, self.decode_loops_why))
         entries += [("forward", self.forward, self.forward_why)]
+        if self.cache.state_groups:
+            # State models: what each sequence holds beyond its KV blocks (cbgen.model.state_cache).
+            per_seq = self.cache.bytes_per_slot() / 2**20
+            entries.append(("cache", f"{per_seq:.2f} MiB of state a sequence", self.cache.describe()))
         if self.forward == "fused" or (self.cache.state_groups and self.gemms is not None):
             entries += self._gemm_entries(per_class)
         if self.forward == "fused":

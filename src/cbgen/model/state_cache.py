@@ -169,6 +169,8 @@ class StepStates:
         self._fresh = fresh
         self._past = past
         self._rows: dict[tuple[str, int], torch.Tensor] = {}
+        # A batch's states already written to their slots (the rest may have changed in place).
+        self._stored: set[tuple[str, int]] = set()
 
     def _view(self, name: str, layer: int) -> torch.Tensor:
         key = (name, layer)
@@ -211,10 +213,15 @@ class StepStates:
     def update_recurrent_state(
         self, recurrent_states: torch.Tensor, layer_idx: int, state_idx: int = 0, **kwargs
     ) -> torch.Tensor:
-        """Stores the rows' new recurrent state."""
-        state = self._view(f"recurrent{state_idx}", layer_idx)
-        state.copy_(recurrent_states)
-        return state
+        """Stores the rows' new recurrent state (a batch's straight into its slots)."""
+        key = (f"recurrent{state_idx}", layer_idx)
+        if self._one:
+            state = self._view(*key)
+            state.copy_(recurrent_states)
+            return state
+        self._states[key].index_copy_(0, self._slots, recurrent_states.to(self._states[key].dtype))
+        self._stored.add(key)
+        return recurrent_states
 
     def is_recording_past(self, layer_idx: int = 0) -> bool:
         """cbgen keeps no past states in the layers (no rollback through the cache object)."""
@@ -245,8 +252,9 @@ class StepStates:
         """Writes a batch's gathered states back to their slots."""
         if self._one:
             return
-        for (name, layer), rows in self._rows.items():
-            self._states[(name, layer)].index_copy_(0, self._slots, rows)
+        for key, rows in self._rows.items():
+            if key not in self._stored:
+                self._states[key].index_copy_(0, self._slots, rows)
 
 
 def projections(model: torch.nn.Module) -> list[torch.nn.Linear]:
