@@ -89,7 +89,7 @@ test-suite: $(VENV)/.installed-test
 CC ?= cc
 ASAN_TESTS ?= tests/model/test_sanitizer.py tests/model/test_arg_checks.py tests/model/test_cpu_kernels.py \
 	tests/model/test_cpu_panel.py tests/model/test_cpu_parity.py tests/model/test_cpu_parity_rows.py \
-	tests/model/test_fused_decode.py \
+	tests/model/test_fused_decode.py tests/model/test_state_kernels.py \
 	tests/model/test_gemm_choice.py::test_gemv_kernel \
 	tests/model/test_gemm_choice.py::test_engine_with_gemv_for_single_rows_equals_generate \
 	tests/sample/test_sampler.py::test_cpu_greedy_kernel_matches_general_path

@@ -47,6 +47,12 @@ VARIABLES: dict[str, EnvVar] = {
             "or torch; both sides of parity must run under the same setting",
         ),
         EnvVar(
+            "CBGEN_STATE_KERNELS",
+            "1",
+            "0 runs the state mixers' arithmetic in transformers' torch functions instead of cbgen's C "
+            "kernels (same bits, slower)",
+        ),
+        EnvVar(
             "CBGEN_REQUIRE_KERNELS",
             "0",
             "1 makes a failed C kernel build an error instead of a fallback to torch (`make test` sets it)",

@@ -58,6 +58,7 @@ from torch import nn
 
 from cbgen.batch_invariant import native as parity_kernels
 from cbgen.config import EngineConfig
+from cbgen.model import state_kernels
 from cbgen.model.attention import AttentionBackend
 from cbgen.model.backends import backend_choice, make_backend
 from cbgen.model.cache_groups import CacheLayout
@@ -65,6 +66,7 @@ from cbgen.model.cpu_fast import decode_loops, fused_forward
 from cbgen.model.cpu_fast.gemm_choice import ROW_CLASSES, GemmPlan
 from cbgen.model.kernels.cpu import ops as cpu_kernels
 from cbgen.model.rotary import length_rotary
+from cbgen.model.state_kernels import StateKernels
 
 log = logging.getLogger("cbgen")
 
@@ -129,6 +131,9 @@ class ExecutionPlan:
     # Parity mode (``batch_invariant=True``): every forward runs under the parity dispatch mode and
     # the sampler reports raw logprobs through cbgen.batch_invariant.token_logprobs.
     parity: bool = False
+    # Models with state layers: the mixer functions whose C kernels the decode forwards run.
+    state_kernels: StateKernels = field(default=StateKernels(), repr=False, compare=False)
+    state_kernels_why: str = ""
 
     @property
     def head_dim(self) -> int:
@@ -166,6 +171,9 @@ class ExecutionPlan:
             # State models: what each sequence holds beyond its KV blocks (cbgen.model.state_cache).
             per_seq = self.cache.bytes_per_slot() / 2**20
             entries.append(("cache", f"{per_seq:.2f} MiB of state a sequence", self.cache.describe()))
+            if self.state_kernels_why:
+                kernels = "C" if self.state_kernels else "torch"
+                entries.append(("state kernels", kernels, self.state_kernels_why))
         if self.forward == "fused" or (self.cache.state_groups and self.gemms is not None):
             entries += self._gemm_entries(per_class)
         if self.forward == "fused":
@@ -247,6 +255,7 @@ def resolve_plan(
     greedy, greedy_why = _greedy_choice(device, dtype)
     sampled_rows, sampled_rows_why = _sampled_rows_choice(device)
     loops, loops_why = _decode_loops(model, config, dtype, attention, cache, previous)
+    mixers, mixers_why = state_kernels.choose(model, cache, device)
     return ExecutionPlan(
         model=type(model).__name__,
         device=device,
@@ -271,6 +280,8 @@ def resolve_plan(
         gemm_shapes=shapes,
         decode_loops=loops,
         decode_loops_why=loops_why,
+        state_kernels=mixers,
+        state_kernels_why=mixers_why,
     )
 
 

@@ -22,7 +22,7 @@ from cbgen.batch_invariant import context as parity_context
 from cbgen.batch_invariant.direct_forward import ParityDirectForward
 from cbgen.batch_invariant.dispatch import ParityOps
 from cbgen.batch_invariant.packs import WeightPacks
-from cbgen.model import attention, state_pieces, thread_view
+from cbgen.model import attention, state_kernels, state_pieces, thread_view
 from cbgen.model.backends import make_backend
 from cbgen.model.cpu_fast import decode_loops
 from cbgen.model.cpu_fast.fused_forward import FusedDecoder
@@ -34,6 +34,7 @@ from cbgen.model.kv_cache import KVCache
 from cbgen.model.plan import PARITY_MODULE_WHY, ExecutionPlan, resolve_again
 from cbgen.model.rotary import LengthRotary
 from cbgen.model.state_cache import StepStates, projections
+from cbgen.model.state_kernels import StateKernels
 
 log = logging.getLogger("cbgen")
 
@@ -149,6 +150,7 @@ class ModelRunner:
         self._step: Callable[[ModelRunner, ModelInput, attention.AttentionMetadata], torch.Tensor]
         if plan.cache.state_groups:
             self._step = ModelRunner._state_step
+            state_kernels.hold(plan.state_kernels, self._hold)
             # The projections' packed GEMMs (the plan's per row class), applied on this thread only.
             if plan.gemms is not None and plan.gemms.packs:
                 self.state_linears = PackedLinears(plan.dtype, plan=plan.gemms)
@@ -309,16 +311,27 @@ class ModelRunner:
         each with a :class:`StepStates` over its rows' state slots, their logits gathered into the
         step's logits rows."""
         out: torch.Tensor | None = None
+        kernels = self.plan.state_kernels
         with self._module_view(), self._packed_projections():
             for piece in batch.pieces:
                 piece.meta.kv_caches = self.kv_cache.layers
                 piece.meta.backend = self.attn_backend
                 shape = piece.shape
+                decode = shape[1] == 1 and not piece.fresh
                 states = StepStates(
-                    self.kv_cache.states, piece.slots, piece.fresh, piece.past, piece.meta.derived
+                    self.kv_cache.states,
+                    piece.slots,
+                    piece.fresh,
+                    piece.past,
+                    piece.meta.derived,
+                    in_place=kernels.layers if decode else frozenset(),
                 )
                 keep, dest, src = state_pieces.logits_rows(piece, batch.logits_indices)
-                with self._rotary_view(batch, piece.tokens), attention.step_metadata(piece.meta):
+                with (
+                    self._rotary_view(batch, piece.tokens),
+                    attention.step_metadata(piece.meta),
+                    state_kernels.engaged(kernels if decode else StateKernels(), states),
+                ):
                     logits = self.model(
                         input_ids=batch.input_ids[piece.tokens].view(shape),
                         position_ids=batch.positions[piece.tokens].view(shape),

@@ -23,7 +23,8 @@ user's module:
   keys and values through, since cbgen's paged attention writes them itself.
 
 The arithmetic stays the model's own: the same functions ``generate()`` runs, on the same shapes
-for each sequence (see the exactness rules in ``docs/design.md``).
+for each sequence (see the exactness rules in ``docs/design.md``), or a cbgen kernel that computes
+the same bits on the slots in place (:mod:`cbgen.model.state_kernels`).
 """
 
 from __future__ import annotations
@@ -148,7 +149,10 @@ class StepStates:
     sequences (no state yet: the mixers compute from zero, and their final states are stored);
     ``derived``: the forward's ``AttentionMetadata.derived``.
     A single row reads and writes its slot in place; a batch of rows works on gathered copies that
-    :meth:`store` writes back after the forward (the decode kernels update states in place).
+    :meth:`store` writes back after the forward.  ``in_place``: the layers whose recurrent state a
+    cbgen kernel updates in the slots themselves (:mod:`cbgen.model.state_kernels`); for them
+    ``get_recurrent_state`` gives a stand-in (NaNs, so any other use shows) that the kernel maps back
+    to the slots (:meth:`in_place_target`), and nothing is gathered or stored.
     """
 
     def __init__(
@@ -158,6 +162,7 @@ class StepStates:
         fresh: bool,
         past: int,
         derived: dict | None = None,
+        in_place: frozenset[int] = frozenset(),
     ) -> None:
         self._states = states
         # The forward's attention metadata's ``derived``: where ``update`` says which layer attends
@@ -171,6 +176,8 @@ class StepStates:
         self._rows: dict[tuple[str, int], torch.Tensor] = {}
         # A batch's states already written to their slots (the rest may have changed in place).
         self._stored: set[tuple[str, int]] = set()
+        self._in_place = in_place
+        self._stand_ins: dict[tuple[str, int], torch.Tensor] = {}
 
     def _view(self, name: str, layer: int) -> torch.Tensor:
         key = (name, layer)
@@ -192,7 +199,25 @@ class StepStates:
 
     def get_recurrent_state(self, layer_idx: int, state_idx: int = 0) -> torch.Tensor | None:
         """The rows' recurrent state (None for rows that start their sequences)."""
-        return None if self._fresh else self._view(f"recurrent{state_idx}", layer_idx)
+        if self._fresh:
+            return None
+        key = (f"recurrent{state_idx}", layer_idx)
+        if layer_idx in self._in_place and key in self._states:
+            stand_in = self._stand_ins.get(key)
+            if stand_in is None:
+                pool = self._states[key]
+                stand_in = pool.new_full((1,) * (pool.dim() - 1), float("nan"))
+                stand_in = self._stand_ins[key] = stand_in.expand(self._slots.shape[0], *pool.shape[1:])
+            return stand_in
+        return self._view(*key)
+
+    def in_place_target(self, state: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The slot pool and slots that a kernel updates in place for ``state``, when ``state`` is a
+        stand-in from :meth:`get_recurrent_state` (else None: the state is an ordinary tensor)."""
+        for key, stand_in in self._stand_ins.items():
+            if stand_in is state:
+                return self._states[key], self._slots
+        return None
 
     def update_conv_state(
         self, conv_states: torch.Tensor, layer_idx: int, state_idx: int = 0, **kwargs
@@ -215,6 +240,8 @@ class StepStates:
     ) -> torch.Tensor:
         """Stores the rows' new recurrent state (a batch's straight into its slots)."""
         key = (f"recurrent{state_idx}", layer_idx)
+        if recurrent_states is self._stand_ins.get(key):
+            return recurrent_states  # the kernel wrote the slots already
         if self._one:
             state = self._view(*key)
             state.copy_(recurrent_states)

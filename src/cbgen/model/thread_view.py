@@ -16,7 +16,10 @@ record first:
 * a module's ``training`` (:func:`eval_mode`): a property on ``nn.Module``, which returns ``False``
   on a thread inside an eval view, else the module's own flag;
 * a module's ``forward`` (:func:`forward`): an instance attribute that calls this thread's
-  replacement for this module, else the forward the module had.
+  replacement for this module, else the forward the module had;
+* a function a Python module's code calls by its global name (:func:`function`, the state mixers'
+  arithmetic in transformers' modeling files): a global that calls this thread's replacement, else
+  the function.
 
 The properties and attributes are installed while at least one view (or a :class:`Hold`) needs
 them anywhere in the process and removed when the last one ends; with no override for the calling
@@ -30,6 +33,7 @@ from __future__ import annotations
 import contextlib
 import threading
 from collections.abc import Callable, Iterator, Sequence
+from types import ModuleType
 from typing import Any
 
 from torch import nn
@@ -42,7 +46,7 @@ _MISSING = object()
 class _Patch:
     """One class attribute replaced while ``users`` > 0 (what it was is put back after)."""
 
-    def __init__(self, owner: type, name: str, make: Callable[[Any], Any]) -> None:
+    def __init__(self, owner: type | ModuleType, name: str, make: Callable[[Any], Any]) -> None:
         self.owner, self.name = owner, name
         self.original = owner.__dict__.get(name, _MISSING)
         self.users = 0
@@ -55,10 +59,12 @@ class _Patch:
             setattr(self.owner, self.name, self.original)
 
 
-_patches: dict[tuple[type, str], _Patch] = {}
+_patches: dict[tuple[type | ModuleType, str], _Patch] = {}
 
 
-def _acquire(owner: type, name: str, make: Callable[[Any], Any]) -> tuple[type, str]:
+def _acquire(
+    owner: type | ModuleType, name: str, make: Callable[[Any], Any]
+) -> tuple[type | ModuleType, str]:
     key = (owner, name)
     with _LOCK:
         patch = _patches.get(key)
@@ -68,7 +74,7 @@ def _acquire(owner: type, name: str, make: Callable[[Any], Any]) -> tuple[type, 
     return key
 
 
-def _release(key: tuple[type, str]) -> None:
+def _release(key: tuple[type | ModuleType, str]) -> None:
     with _LOCK:
         patch = _patches[key]
         patch.users -= 1
@@ -198,6 +204,46 @@ def forward(module: nn.Module, fn: Callable[..., Any]) -> Iterator[None]:
                     module.__dict__["forward"] = dispatch.previous
 
 
+# ---------------------------------------------------------------- module-level functions
+def _function_dispatch(module: ModuleType, name: str) -> Callable[[Any], Any]:
+    def make(original: Any) -> Any:
+        def dispatch(*args: Any, **kwargs: Any) -> Any:
+            over = getattr(_TLS, "functions", None)
+            fn = over.get((id(module), name)) if over else None
+            if fn is None:
+                return original(*args, **kwargs)
+            return fn(original, *args, **kwargs)
+
+        dispatch.__wrapped__ = original
+        return dispatch
+
+    return make
+
+
+@contextlib.contextmanager
+def function(module: ModuleType, name: str, fn: Callable[..., Any]) -> Iterator[None]:
+    """For the calling thread only: code of ``module`` that calls its global function ``name`` runs
+    ``fn(original, *args, **kwargs)`` instead (``original``: the function itself, to fall back on)
+    until the block ends; other threads call the function."""
+    if not callable(module.__dict__.get(name)):
+        raise AttributeError(f"{module.__name__} has no function {name!r}")
+    key = _acquire(module, name, _function_dispatch(module, name))
+    over = getattr(_TLS, "functions", None)
+    if over is None:
+        over = _TLS.functions = {}
+    slot = (id(module), name)
+    previous = over.get(slot)
+    over[slot] = fn
+    try:
+        yield
+    finally:
+        if previous is None:
+            over.pop(slot, None)
+        else:
+            over[slot] = previous
+        _release(key)
+
+
 class Hold:
     """Keeps the class-level properties installed between views, so that an engine stepping many
     times a second does not install and remove them around every step (each change of a class's
@@ -212,6 +258,12 @@ class Hold:
             tag = f"attn:{owner.__qualname__}:{id(owner)}"
             if tag not in self._keys:
                 self._keys[tag] = _acquire(owner, "_attn_implementation", _attn_property)
+
+    def function(self, module: ModuleType, name: str) -> None:
+        """Holds the per-thread dispatch of ``module``'s global function ``name`` (:func:`function`)."""
+        tag = f"function:{module.__name__}.{name}"
+        if tag not in self._keys:
+            self._keys[tag] = _acquire(module, name, _function_dispatch(module, name))
 
     def training(self) -> None:
         """Holds ``nn.Module``'s ``training`` property."""

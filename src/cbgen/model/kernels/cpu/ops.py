@@ -49,6 +49,7 @@ _SOURCES = [
         "cpu_panel512.c",
         "cpu_parity.c",
         "cpu_parity_rows.c",
+        "cpu_state.c",
     )
 ]
 _HEADERS = [_CSRC / "cbgen_numerics.h", _CSRC / "cbgen_ranges.h"]
@@ -123,6 +124,8 @@ _SIGNATURES = {
     "cbgen_parity_mul": "plplpllli",
     # gate_up, its stride, inter, out, its stride, rows, torch's vector exp, its width, dtype
     "cbgen_parity_silu_mul": "pllpllpii",
+    # q, k, v, exp(decay), beta, states, num_slots, slots, out, B, H, Hk, T, dk, dv, split
+    "cbgen_gdn_recurrent": "pppppplpplllllll",
 }
 _CTYPES = {"p": ctypes.c_void_p, "l": ctypes.c_int64, "i": ctypes.c_int, "f": ctypes.c_float}
 
