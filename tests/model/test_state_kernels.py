@@ -16,14 +16,15 @@ from transformers.models.qwen3_5 import modeling_qwen3_5
 
 from cbgen import LLM, SamplingParams
 from cbgen.model import state_kernels, thread_view
-from cbgen.model.kernels.cpu.state_ops import gdn_recurrent, torch_sum_split
+from cbgen.model.kernels.cpu.state_ops import conv_update, gdn_recurrent, torch_sum_split
 from cbgen.model.state_cache import StepStates
-from cbgen.model.state_kernels import GDN_RECURRENT, StateKernels
+from cbgen.model.state_kernels import CONV_UPDATE, GDN_RECURRENT, StateKernels
 
 pytestmark = pytest.mark.native("c")
 
 MODULE = modeling_qwen3_5
 REFERENCE = MODULE.__dict__[GDN_RECURRENT]
+CONV_REFERENCE = MODULE.__dict__[CONV_UPDATE]
 
 
 def _inputs(b, t, hk, h, dk, dv, dtype=torch.float32, seed=0):
@@ -44,10 +45,12 @@ def _engaged_rule(q, k, v, decay, beta, state, extra_slots=3, seed=0):
     pool = torch.full((b + extra_slots, *state.shape[1:]), float("nan"))
     slots = torch.randperm(b + extra_slots, generator=torch.Generator().manual_seed(seed))[:b]
     pool[slots] = state
-    states = StepStates({("recurrent0", 0): pool}, slots, fresh=False, past=1, in_place=frozenset({0}))
+    states = StepStates(
+        {("recurrent0", 0): pool}, slots, fresh=False, past=1, in_place=frozenset({("recurrent0", 0)})
+    )
     stand_in = states.get_recurrent_state(0)
     assert stand_in.isnan().all() and stand_in.shape == state.shape
-    kernels = StateKernels((MODULE,), frozenset({0}))
+    kernels = StateKernels(((MODULE, GDN_RECURRENT),), frozenset({("recurrent0", 0)}))
     with state_kernels.engaged(kernels, states):
         out, final = MODULE.torch_recurrent_gated_delta_rule(
             q,
@@ -106,6 +109,54 @@ def test_gdn_recurrent_in_bf16_and_at_qwen3_5_width():
         ref_out, ref_state = _reference(*inputs)
         assert out.dtype == dtype and torch.equal(out, ref_out)
         assert torch.equal(states, ref_state)
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    b=st.integers(1, 5),
+    channels=st.sampled_from([1, 7, 16, 100, 384]),
+    k=st.integers(2, 5),
+    extra=st.integers(0, 1),
+    activation=st.sampled_from(["silu", None]),
+    bias=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_conv_update_is_the_torch_function_bit_for_bit(b, channels, k, extra, activation, bias, seed):
+    """The convolution's decode step through the engine's swap, against transformers' function on
+    the same window: the output and the kept inputs left in the slots (``width`` K - 1 or K, as
+    models keep them).  With a bias, transformers' function runs on the gathered window instead."""
+    g = torch.Generator().manual_seed(seed)
+    width = k - 1 + extra
+    x = torch.randn(b, 1, channels, generator=g).transpose(1, 2)  # [B, C, 1] as the mixers pass it
+    kept = torch.randn(b, channels, width, generator=g)
+    weight = torch.randn(channels, k, generator=g)
+    bias_t = torch.randn(channels, generator=g) if bias else None
+    pool = torch.full((b + 2, channels, width), float("nan"))
+    slots = torch.randperm(b + 2, generator=g)[:b]
+    pool[slots] = kept
+    states = StepStates({("conv0", 0): pool}, slots, False, 1, in_place=frozenset({("conv0", 0)}))
+    with state_kernels.engaged(StateKernels(((MODULE, CONV_UPDATE),), frozenset({("conv0", 0)})), states):
+        out = MODULE.causal_conv1d_update(x, states.get_conv_state(0), weight, bias_t, activation)
+    ref_kept = kept.clone()
+    ref = CONV_REFERENCE(x, ref_kept, weight, bias_t, activation)
+    assert torch.equal(out, ref)
+    assert torch.equal(pool[slots], ref_kept)
+
+
+def test_conv_update_refuses_bad_arguments():
+    x, weight = torch.randn(2, 8), torch.randn(8, 4)
+    states, slots = torch.zeros(3, 8, 4), torch.tensor([0, 2])
+    for bad, message in (
+        (dict(weight=weight[:, :1].contiguous()), "weight must be"),
+        (dict(x=x.double()), "x must be"),
+        (dict(states=torch.zeros(3, 8, 2)), "states must be"),
+        (dict(slots=torch.tensor([2, 2])), "distinct"),
+        (dict(slots=torch.tensor([0, 3])), "distinct and below 3"),
+    ):
+        args = dict(x=x, states=states, slots=slots, weight=weight) | bad
+        with pytest.raises(ValueError, match=message):
+            conv_update(**args)
+    assert not states.any()
 
 
 def test_torch_sum_split():
@@ -171,7 +222,11 @@ def test_the_swap_is_the_engine_threads_only():
     inputs = _inputs(2, 1, 2, 2, 16, 16, seed=3)
     ref_out, _ = _reference(*inputs)
     states = StepStates(
-        {("recurrent0", 0): torch.zeros(2, 2, 16, 16)}, torch.arange(2), False, 1, in_place=frozenset({0})
+        {("recurrent0", 0): torch.zeros(2, 2, 16, 16)},
+        torch.arange(2),
+        False,
+        1,
+        in_place=frozenset({("recurrent0", 0)}),
     )
     seen = {}
 
@@ -185,7 +240,9 @@ def test_the_swap_is_the_engine_threads_only():
             use_qk_l2norm_in_kernel=True,
         )
 
-    with state_kernels.engaged(StateKernels((MODULE,), frozenset({0})), states):
+    with state_kernels.engaged(
+        StateKernels(((MODULE, GDN_RECURRENT),), frozenset({("recurrent0", 0)})), states
+    ):
         assert MODULE.__dict__[GDN_RECURRENT] is not REFERENCE
         other = threading.Thread(target=trainer)
         other.start()
@@ -194,7 +251,7 @@ def test_the_swap_is_the_engine_threads_only():
     assert MODULE.__dict__[GDN_RECURRENT] is REFERENCE
 
     hold = thread_view.Hold()
-    state_kernels.hold(StateKernels((MODULE,), frozenset({0})), hold)
+    state_kernels.hold(StateKernels(((MODULE, GDN_RECURRENT),), frozenset({("recurrent0", 0)})), hold)
     assert MODULE.__dict__[GDN_RECURRENT] is not REFERENCE
     trainer()
     assert torch.equal(seen["out"], ref_out)
@@ -220,7 +277,8 @@ def test_generation_is_the_same_bits_with_and_without_the_kernel(monkeypatch):
         ]
 
     plan, with_kernel = run()
-    assert plan.state_kernels and "Gated DeltaNet decode" in plan.report()
+    report = plan.report()
+    assert plan.state_kernels and "Gated DeltaNet (1 layers)" in report and "convolution (1 layers)" in report
     monkeypatch.setenv("CBGEN_STATE_KERNELS", "0")
     plan, without = run()
     assert not plan.state_kernels and "CBGEN_STATE_KERNELS=0" in plan.report()

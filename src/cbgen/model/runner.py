@@ -324,7 +324,7 @@ class ModelRunner:
                     piece.fresh,
                     piece.past,
                     piece.meta.derived,
-                    in_place=kernels.layers if decode else frozenset(),
+                    in_place=kernels.in_place if decode else frozenset(),
                 )
                 keep, dest, src = state_pieces.logits_rows(piece, batch.logits_indices)
                 with (

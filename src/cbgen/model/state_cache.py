@@ -149,10 +149,10 @@ class StepStates:
     sequences (no state yet: the mixers compute from zero, and their final states are stored);
     ``derived``: the forward's ``AttentionMetadata.derived``.
     A single row reads and writes its slot in place; a batch of rows works on gathered copies that
-    :meth:`store` writes back after the forward.  ``in_place``: the layers whose recurrent state a
-    cbgen kernel updates in the slots themselves (:mod:`cbgen.model.state_kernels`); for them
-    ``get_recurrent_state`` gives a stand-in (NaNs, so any other use shows) that the kernel maps back
-    to the slots (:meth:`in_place_target`), and nothing is gathered or stored.
+    :meth:`store` writes back after the forward.  ``in_place``: the states (name, layer) that a cbgen
+    kernel updates in the slots themselves (:mod:`cbgen.model.state_kernels`); for them the getters
+    give a stand-in (NaNs, so any other use shows) that the kernel maps back to the slots
+    (:meth:`in_place_target`), and nothing is gathered or stored.
     """
 
     def __init__(
@@ -162,7 +162,7 @@ class StepStates:
         fresh: bool,
         past: int,
         derived: dict | None = None,
-        in_place: frozenset[int] = frozenset(),
+        in_place: frozenset[tuple[str, int]] = frozenset(),
     ) -> None:
         self._states = states
         # The forward's attention metadata's ``derived``: where ``update`` says which layer attends
@@ -193,27 +193,30 @@ class StepStates:
         return rows
 
     # ---------------------------------------------------------------- what the mixers call
+    def _state(self, name: str, layer: int) -> torch.Tensor | None:
+        if self._fresh:
+            return None
+        key = (name, layer)
+        if key not in self._in_place:
+            return self._view(name, layer)
+        stand_in = self._stand_ins.get(key)
+        if stand_in is None:
+            pool = self._states[key]
+            stand_in = pool.new_full((1,) * (pool.dim() - 1), float("nan"))
+            stand_in = self._stand_ins[key] = stand_in.expand(self._slots.shape[0], *pool.shape[1:])
+        return stand_in
+
     def get_conv_state(self, layer_idx: int, state_idx: int = 0) -> torch.Tensor | None:
         """The rows' convolution state (None for rows that start their sequences)."""
-        return None if self._fresh else self._view(f"conv{state_idx}", layer_idx)
+        return self._state(f"conv{state_idx}", layer_idx)
 
     def get_recurrent_state(self, layer_idx: int, state_idx: int = 0) -> torch.Tensor | None:
         """The rows' recurrent state (None for rows that start their sequences)."""
-        if self._fresh:
-            return None
-        key = (f"recurrent{state_idx}", layer_idx)
-        if layer_idx in self._in_place and key in self._states:
-            stand_in = self._stand_ins.get(key)
-            if stand_in is None:
-                pool = self._states[key]
-                stand_in = pool.new_full((1,) * (pool.dim() - 1), float("nan"))
-                stand_in = self._stand_ins[key] = stand_in.expand(self._slots.shape[0], *pool.shape[1:])
-            return stand_in
-        return self._view(*key)
+        return self._state(f"recurrent{state_idx}", layer_idx)
 
     def in_place_target(self, state: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The slot pool and slots that a kernel updates in place for ``state``, when ``state`` is a
-        stand-in from :meth:`get_recurrent_state` (else None: the state is an ordinary tensor)."""
+        stand-in from a getter (else None: the state is an ordinary tensor)."""
         for key, stand_in in self._stand_ins.items():
             if stand_in is state:
                 return self._states[key], self._slots

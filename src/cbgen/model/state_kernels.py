@@ -6,7 +6,9 @@ makes about eight passes over every head's float32 state a token in separate ops
 object gathered from the slots and scatters back.  That was three quarters of a Qwen3.5 decode step
 on CPU.  The C kernel (:func:`cbgen.model.kernels.cpu.state_ops.gdn_recurrent`) updates each slot in
 place in two passes and computes the same bits as the torch function (same products, same order of
-additions: ``csrc/cpu_state.c``), so tokens and logprobs do not change with it.
+additions: ``csrc/cpu_state.c``), so tokens and logprobs do not change with it.  The same goes for
+the convolution's decode step (``causal_conv1d_update``: a gathered window, a concatenation, a
+copy and a oneDNN depthwise convolution per call; :func:`~cbgen.model.kernels.cpu.state_ops.conv_update`).
 
 The swap is scoped like every other view of the user's model (:mod:`cbgen.model.thread_view`): for
 the engine's thread, during one decode forward, the mixers' module calls the kernel; every other
@@ -18,6 +20,7 @@ runs; ``CBGEN_STATE_KERNELS=0`` keeps transformers' functions (to compare, or to
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import sys
 from collections.abc import Iterator
@@ -27,56 +30,72 @@ from typing import Any
 
 import torch
 from torch import nn
+from transformers.activations import ACT2FN
 
 from cbgen import envs
 from cbgen.model import thread_view
 from cbgen.model.cache_groups import CacheLayout
 from cbgen.model.kernels.cpu import ops as cpu_kernels
-from cbgen.model.kernels.cpu.state_ops import gdn_recurrent
+from cbgen.model.kernels.cpu.state_ops import conv_update, gdn_recurrent
 from cbgen.model.state_cache import StepStates
 
 GDN_RECURRENT = "torch_recurrent_gated_delta_rule"
+CONV_UPDATE = "causal_conv1d_update"
+# Each function the engine swaps, and the state its kernel updates in the slots.
+_STATE_OF = {GDN_RECURRENT: "recurrent0", CONV_UPDATE: "conv0"}
 
 
 @dataclass(frozen=True)
 class StateKernels:
-    """The mixer functions the engine's decode forwards replace: ``modules``, whose global
-    ``torch_recurrent_gated_delta_rule`` runs the C kernel for the mixers of ``layers``."""
+    """The mixer functions the engine's decode forwards replace: ``swaps``, (modeling module,
+    function name) pairs, and ``in_place``, the states (name, layer) their kernels update in the
+    slots (:class:`StepStates` hands the mixers stand-ins for those)."""
 
-    modules: tuple[ModuleType, ...] = ()
-    layers: frozenset[int] = frozenset()
+    swaps: tuple[tuple[ModuleType, str], ...] = ()
+    in_place: frozenset[tuple[str, int]] = frozenset()
 
     def __bool__(self) -> bool:
-        return bool(self.layers)
+        return bool(self.in_place)
+
+    def describe(self) -> str:
+        """The swapped functions in words."""
+        names = {"torch_recurrent_gated_delta_rule": "Gated DeltaNet", "causal_conv1d_update": "convolution"}
+        layers = {
+            name: sum(1 for state, _ in self.in_place if state == _STATE_OF[name]) for _, name in self.swaps
+        }
+        return ", ".join(f"{names[name]} ({count} layers)" for name, count in layers.items())
 
 
-def _gdn_mixers(model: nn.Module) -> list[nn.Module]:
-    """Modules whose forward calls their modeling file's recurrent gated delta rule by name."""
-    found = []
-    for m in model.modules():
-        # Through transformers' decorators to the forward's own code.
-        forward = getattr(inspect.unwrap(type(m).forward), "__code__", None)
-        module = sys.modules.get(type(m).__module__)
-        if forward is None or module is None or not isinstance(getattr(m, "layer_idx", None), int):
-            continue
-        if GDN_RECURRENT in forward.co_names and callable(module.__dict__.get(GDN_RECURRENT)):
-            found.append(m)
-    return found
+def _calls(m: nn.Module) -> tuple[ModuleType | None, tuple[str, ...]]:
+    """The modeling module of ``m``'s class, and the global names its forward's own code uses
+    (through transformers' decorators)."""
+    code = getattr(inspect.unwrap(type(m).forward), "__code__", None)
+    return sys.modules.get(type(m).__module__), (code.co_names if code is not None else ())
 
 
 def choose(model: nn.Module, cache: CacheLayout, device: torch.device) -> tuple[StateKernels, str]:
-    """Which mixer functions the engine replaces with C kernels, and why (or why none)."""
-    recurrent = {
-        layer: group.dtype
-        for group in cache.state_groups
-        if group.name.startswith("recurrent")
-        for layer in group.layers
-    }
-    if not recurrent:
+    """Which mixer functions the engine replaces with C kernels, and why (or why none): a mixer
+    whose forward calls one by name, on the CPU, with the kernels built and a float32 state."""
+    dtypes = {(group.name, layer): group.dtype for group in cache.state_groups for layer in group.layers}
+    if not dtypes:
         return StateKernels(), ""
-    mixers = [m for m in _gdn_mixers(model) if m.layer_idx in recurrent]
-    if not mixers:
-        return StateKernels(), "transformers' functions (no mixer with a cbgen kernel)"
+    swaps: dict[tuple[int, str], tuple[ModuleType, str]] = {}
+    in_place = set()
+    for m in model.modules():
+        layer = getattr(m, "layer_idx", None)
+        module, names = _calls(m)
+        if module is None or not isinstance(layer, int):
+            continue
+        for name, state in _STATE_OF.items():
+            if (
+                name in names
+                and callable(module.__dict__.get(name))
+                and dtypes.get((state, layer)) == torch.float32
+            ):
+                swaps[(id(module), name)] = (module, name)
+                in_place.add((state, layer))
+    if not in_place:
+        return StateKernels(), "transformers' functions (no mixer with a cbgen kernel and a float32 state)"
     if device.type != "cpu":
         return StateKernels(), f"transformers' functions (the C kernels run on the CPU, not {device.type})"
     if envs.get("CBGEN_STATE_KERNELS") == "0":
@@ -86,38 +105,77 @@ def choose(model: nn.Module, cache: CacheLayout, device: torch.device) -> tuple[
             StateKernels(),
             f"transformers' functions (C kernels unavailable: {cpu_kernels.unavailable_reason()})",
         )
-    if any(recurrent[m.layer_idx] != torch.float32 for m in mixers):
-        return StateKernels(), "transformers' functions (the C kernel keeps float32 states)"
-    modules = tuple({id(mod): mod for mod in (sys.modules[type(m).__module__] for m in mixers)}.values())
-    kernels = StateKernels(modules, frozenset(m.layer_idx for m in mixers))
+    kernels = StateKernels(tuple(swaps.values()), frozenset(in_place))
     return kernels, (
-        f"Gated DeltaNet decode of {len(kernels.layers)} layers in C on the state slots in place "
-        "(the torch function's bits; cbgen.model.state_kernels)"
+        f"decode steps of {kernels.describe()} in C on the state slots in place "
+        "(the torch functions' bits; cbgen.model.state_kernels)"
     )
 
 
 def hold(kernels: StateKernels, holder: thread_view.Hold) -> None:
     """Keeps the per-thread dispatch of the replaced functions installed while ``holder`` lives."""
-    for module in kernels.modules:
-        holder.function(module, GDN_RECURRENT)
+    for module, name in kernels.swaps:
+        holder.function(module, name)
 
 
 @contextlib.contextmanager
 def engaged(kernels: StateKernels, states: StepStates) -> Iterator[None]:
-    """For this thread and the block: the mixers' recurrent gated delta rule runs the C kernel on
-    ``states``' slots (only for the stand-ins ``states`` hands out; anything else goes to the
-    function as it is)."""
+    """For this thread and the block: the swapped functions run their C kernels on ``states``'
+    slots (only for the stand-ins ``states`` hands out; anything else goes to the function as it
+    is)."""
     if not kernels:
         yield
         return
-
-    def rule(original: Any, *args: Any, **kwargs: Any) -> Any:
-        return _gdn_recurrent(states, original, *args, **kwargs)
-
+    kernel_of = {GDN_RECURRENT: _gdn_recurrent, CONV_UPDATE: _conv_update}
     with contextlib.ExitStack() as stack:
-        for module in kernels.modules:
-            stack.enter_context(thread_view.function(module, GDN_RECURRENT, rule))
+        for module, name in kernels.swaps:
+            stack.enter_context(
+                thread_view.function(module, name, functools.partial(kernel_of[name], states))
+            )
         yield
+
+
+def _conv_update(
+    states: StepStates,
+    original: Any,
+    hidden_states: torch.Tensor,
+    conv_state: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    activation: str | None = None,
+    **kwargs: Any,
+) -> torch.Tensor:
+    """transformers' ``causal_conv1d_update`` (same arguments and result) for a conv state that is a
+    :class:`StepStates` stand-in: the C kernel convolves and moves the window in the slots, the
+    activation is transformers' own."""
+    target = states.in_place_target(conv_state)
+    if target is None:
+        return original(hidden_states, conv_state, weight, bias, activation, **kwargs)
+    pool, slots = target
+    rows, channels, tokens = hidden_states.shape
+    # One channel is no depthwise convolution for oneDNN (another order); a bias, another token
+    # count or dtype are outside what the kernel follows too: transformers' function on gathered states.
+    if (
+        bias is not None
+        or tokens != 1
+        or channels < 2
+        or {weight.dtype, hidden_states.dtype} != {torch.float32}
+    ):
+        gathered = pool.index_select(0, slots)
+        out = original(hidden_states, gathered, weight, bias, activation, **kwargs)
+        pool.index_copy_(0, slots, gathered)
+        return out
+    out = conv_update(hidden_states.view(rows, channels), pool, slots, weight.contiguous())
+    if activation is None:
+        return out.view(rows, channels, 1)
+    # transformers activates the last column of a conv output as long as the kept inputs allow; an
+    # activation's bits depend on its input's layout (vector or scalar loop), so it gets the same one.
+    width = pool.shape[-1] - weight.shape[-1] + 2
+    if width == 1:
+        return ACT2FN[activation](out.view(rows, channels, 1))
+    full = out.new_empty((rows, channels, width))
+    full[:, :, -1] = out
+    return ACT2FN[activation](full[:, :, -1:])
 
 
 def _l2norm(x: torch.Tensor) -> torch.Tensor:

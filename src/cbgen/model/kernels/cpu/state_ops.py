@@ -1,7 +1,8 @@
 """The state mixers' C kernels (``csrc/cpu_state.c``), each checking its arguments before calling in.
 
-:func:`gdn_recurrent` is the gated delta rule's recurrent form on state slots in place; which
-mixers call it, and when, is :mod:`cbgen.model.state_kernels`' business.
+:func:`gdn_recurrent` (the gated delta rule's recurrent form) and :func:`conv_update` (a causal
+convolution's step) update state slots in place; which mixers call them, and when, is
+:mod:`cbgen.model.state_kernels`' business.
 """
 
 from __future__ import annotations
@@ -90,5 +91,69 @@ def gdn_recurrent(
     if rc:
         raise ValueError(
             f"gdn_recurrent: the kernel refused its sizes (rc {rc}): q {tuple(q.shape)}, v {tuple(v.shape)}"
+        )
+    return out
+
+
+def conv_update(
+    x: torch.Tensor, states: torch.Tensor, slots: torch.Tensor, weight: torch.Tensor
+) -> torch.Tensor:
+    """One token of a causal depthwise convolution without bias, on the rows' kept inputs
+    ``states[slots]`` in place (the window moves by ``x``); returns the convolution ``[B, C]``
+    before any activation.
+
+    float32 on the CPU: ``x`` ``[B, C]`` with unit column stride, ``states`` contiguous
+    ``[num_slots, C, width]`` (each channel's last ``width >= K - 1`` inputs), ``weight`` contiguous
+    ``[C, K]``; ``slots`` ``[B]`` int64, distinct (the C kernel checks their values)."""
+    if (
+        weight.dim() != 2
+        or weight.dtype != torch.float32
+        or not weight.is_contiguous()
+        or weight.shape[1] < 2
+    ):
+        raise ValueError(
+            f"conv_update: weight must be a contiguous float32 [C, K >= 2], got {tuple(weight.shape)}"
+        )
+    c, k = weight.shape
+    if x.dim() != 2 or x.shape[1] != c or x.dtype != torch.float32 or x.stride(1) != 1:
+        raise ValueError(
+            f"conv_update: x must be float32 [B, {c}] with unit column stride, got {tuple(x.shape)}"
+        )
+    b = x.shape[0]
+    if (
+        states.dim() != 3
+        or states.shape[1] != c
+        or not k - 1 <= states.shape[2] <= 64
+        or states.dtype != torch.float32
+        or not states.is_contiguous()
+    ):
+        raise ValueError(
+            f"conv_update: states must be a contiguous float32 [num_slots, {c}, {k - 1}..64], got {tuple(states.shape)}"
+        )
+    if slots.shape != (b,) or slots.dtype != torch.int64 or not slots.is_contiguous():
+        raise ValueError(
+            f"conv_update: slots must be a contiguous int64 [{b}], got {tuple(slots.shape)} {slots.dtype}"
+        )
+    if any(t.device.type != "cpu" for t in (x, states, slots, weight)):
+        raise ValueError("conv_update: every tensor must be on the CPU")
+    out = torch.empty((b, c), dtype=torch.float32)
+    rc = library().cbgen_conv_update(
+        x.data_ptr(),
+        max(x.stride(0), c),
+        states.data_ptr(),
+        states.shape[0],
+        slots.data_ptr(),
+        states.shape[2],
+        weight.data_ptr(),
+        out.data_ptr(),
+        b,
+        c,
+        k,
+    )
+    if rc == 2:
+        raise ValueError(f"conv_update: slots {slots.tolist()} must be distinct and below {states.shape[0]}")
+    if rc:
+        raise ValueError(
+            f"conv_update: the kernel refused its sizes (rc {rc}): x {tuple(x.shape)}, weight {tuple(weight.shape)}"
         )
     return out

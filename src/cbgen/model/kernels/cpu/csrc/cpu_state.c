@@ -1,4 +1,5 @@
-/* The gated delta rule's recurrent form (one token at a time), run on cbgen's state slots in place.
+/* The state mixers' decode steps, run on cbgen's state slots in place: the gated delta rule's
+ * recurrent form (one token at a time) and a causal convolution's update (at the end).
  *
  * transformers' torch version (torch_recurrent_gated_delta_rule, the form every Gated DeltaNet
  * mixer decodes with) makes about eight passes over each head's float32 [dk, dv] state a token, in
@@ -24,6 +25,7 @@
  * exponentiated) and beta [B, H, T]; states [num_slots, H, dk, dv]; slots [B] int64, distinct.
  * Value head h reads query/key head h / (H / Hk); lanes [split, dv) are fewer than 32.  Sizes and slots are checked before any memory is
  * touched: rc 1 = bad sizes, rc 2 = a slot out of range or repeated. */
+#include <math.h>
 #include <omp.h>
 #include <stdint.h>
 #include <string.h>
@@ -164,6 +166,45 @@ int cbgen_gdn_recurrent(const float *q, const float *k, const float *v, const fl
                 gdn_head_token(S, q + kt * dk, k + kt * dk, v + vt * dv, decay[vt], beta[vt], out + vt * dv, &sum,
                                prod, delta);
             }
+        }
+    }
+    return 0;
+}
+
+/* A causal depthwise convolution's decode step (transformers' causal_conv1d_update for one token),
+ * on state slots in place: each slot keeps a channel's last `width` inputs (width >= K - 1);
+ * out[b, c] = sum over the K taps of the window (the last K - 1 kept inputs, then x[b, c]) times
+ * weight[c, :], and the kept inputs move one column.  Bit for bit what torch's conv1d (oneDNN's
+ * depthwise kernel) computes without bias: the taps accumulate in order from zero, each by a fused
+ * multiply-add.  The activation is left to the caller.
+ *
+ * float32: x [B, C] rows of stride x_stride; states [num_slots, C, width]; weight [C, K]; out [B, C]
+ * contiguous; slots [B] int64, distinct.  rc 1 = bad sizes, rc 2 = a slot out of range or repeated. */
+int cbgen_conv_update(const float *x, int64_t x_stride, float *states, int64_t num_slots, const int64_t *slots,
+                      int64_t width, const float *weight, float *out, int64_t B, int64_t C, int64_t K) {
+    if (!x || !states || !slots || !weight || !out) return 1;
+    if (B <= 0 || C <= 0 || K < 2 || K > 64 || width < K - 1 || width > 64 || x_stride < C || num_slots <= 0)
+        return 1;
+    for (int64_t b = 0; b < B; ++b) {
+        if (slots[b] < 0 || slots[b] >= num_slots) return 2;
+        for (int64_t c = 0; c < b; ++c)
+            if (slots[c] == slots[b]) return 2;
+    }
+    const int64_t skip = width - (K - 1);
+#pragma omp parallel for schedule(static) if (B * C * K >= (1 << 16))
+    for (int64_t b = 0; b < B; ++b) {
+        float *kept = states + slots[b] * C * width;
+        const float *xb = x + b * x_stride;
+        float *ob = out + b * C;
+        for (int64_t c = 0; c < C; ++c) {
+            float *w = kept + c * width;
+            const float *wc = weight + c * K;
+            float acc = 0.0f;
+            for (int64_t k = 0; k < K - 1; ++k) acc = fmaf(w[skip + k], wc[k], acc);
+            acc = fmaf(xb[c], wc[K - 1], acc);
+            ob[c] = acc;
+            for (int64_t k = 0; k + 1 < width; ++k) w[k] = w[k + 1];
+            w[width - 1] = xb[c];
         }
     }
     return 0;
