@@ -69,7 +69,11 @@ def test_a_bypassed_check_aborts_with_the_sanitizer_report() -> None:
         f"the out-of-bounds read did not abort:\n{proc.stdout}\n{proc.stderr[-3000:]}"
     )
     assert "no abort" not in proc.stdout
-    assert "ERROR: AddressSanitizer: heap-buffer-overflow" in proc.stderr, proc.stderr[-3000:]
+    # The first read past the end is in the tensor's redzone; a second thread starting further on
+    # may reach a freed block first, which the report then calls a use after free.
+    assert re.search(r"ERROR: AddressSanitizer: heap-(buffer-overflow|use-after-free)", proc.stderr), (
+        proc.stderr[-3000:]
+    )
     # a read, in the kernel (its own frame, or its loop's OpenMP-outlined one when it runs threaded)
     assert "READ of size" in proc.stderr
     assert re.search(r"#\d+ 0x[0-9a-f]+ in (cbgen_)?silu_mul", proc.stderr), proc.stderr[-3000:]

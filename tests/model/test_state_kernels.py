@@ -124,7 +124,8 @@ def test_gdn_recurrent_in_bf16_and_at_qwen3_5_width():
 def test_conv_update_is_the_torch_function_bit_for_bit(b, channels, k, extra, activation, bias, seed):
     """The convolution's decode step through the engine's swap, against transformers' function on
     the same window: the output and the kept inputs left in the slots (``width`` K - 1 or K, as
-    models keep them).  With a bias, transformers' function runs on the gathered window instead."""
+    models keep them), with and without a bias.  One channel runs transformers' function on the
+    gathered window instead."""
     g = torch.Generator().manual_seed(seed)
     width = k - 1 + extra
     x = torch.randn(b, 1, channels, generator=g).transpose(1, 2)  # [B, C, 1] as the mixers pass it
@@ -152,6 +153,7 @@ def test_conv_update_refuses_bad_arguments():
         (dict(states=torch.zeros(3, 8, 2)), "states must be"),
         (dict(slots=torch.tensor([2, 2])), "distinct"),
         (dict(slots=torch.tensor([0, 3])), "distinct and below 3"),
+        (dict(bias=torch.zeros(7)), "bias must be"),
     ):
         args = dict(x=x, states=states, slots=slots, weight=weight) | bad
         with pytest.raises(ValueError, match=message):

@@ -153,19 +153,15 @@ def _conv_update(
         return original(hidden_states, conv_state, weight, bias, activation, **kwargs)
     pool, slots = target
     rows, channels, tokens = hidden_states.shape
-    # One channel is no depthwise convolution for oneDNN (another order); a bias, another token
-    # count or dtype are outside what the kernel follows too: transformers' function on gathered states.
-    if (
-        bias is not None
-        or tokens != 1
-        or channels < 2
-        or {weight.dtype, hidden_states.dtype} != {torch.float32}
-    ):
+    # One channel is no depthwise convolution for oneDNN (another order); other token counts and
+    # dtypes are outside what the kernel follows too: transformers' function on gathered states.
+    if tokens != 1 or channels < 2 or {weight.dtype, hidden_states.dtype} != {torch.float32}:
         gathered = pool.index_select(0, slots)
         out = original(hidden_states, gathered, weight, bias, activation, **kwargs)
         pool.index_copy_(0, slots, gathered)
         return out
-    out = conv_update(hidden_states.view(rows, channels), pool, slots, weight.contiguous())
+    bias = None if bias is None else bias.to(torch.float32).contiguous()
+    out = conv_update(hidden_states.view(rows, channels), pool, slots, weight.contiguous(), bias)
     if activation is None:
         return out.view(rows, channels, 1)
     # transformers activates the last column of a conv output as long as the kept inputs allow; an

@@ -126,8 +126,8 @@ _SIGNATURES = {
     "cbgen_parity_silu_mul": "pllpllpii",
     # q, k, v, exp(decay), beta, states, num_slots, slots, out, B, H, Hk, T, dk, dv, split
     "cbgen_gdn_recurrent": "pppppplpplllllll",
-    # x, its row stride, states, num_slots, slots, width, weight, out, B, C, K
-    "cbgen_conv_update": "plplplpplll",
+    # x, its row stride, states, num_slots, slots, width, weight, bias (or NULL), out, B, C, K
+    "cbgen_conv_update": "plplplppplll",
 }
 _CTYPES = {"p": ctypes.c_void_p, "l": ctypes.c_int64, "i": ctypes.c_int, "f": ctypes.c_float}
 

@@ -96,9 +96,13 @@ def gdn_recurrent(
 
 
 def conv_update(
-    x: torch.Tensor, states: torch.Tensor, slots: torch.Tensor, weight: torch.Tensor
+    x: torch.Tensor,
+    states: torch.Tensor,
+    slots: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """One token of a causal depthwise convolution without bias, on the rows' kept inputs
+    """One token of a causal depthwise convolution (``bias`` ``[C]`` or none), on the rows' kept inputs
     ``states[slots]`` in place (the window moves by ``x``); returns the convolution ``[B, C]``
     before any activation.
 
@@ -134,7 +138,11 @@ def conv_update(
         raise ValueError(
             f"conv_update: slots must be a contiguous int64 [{b}], got {tuple(slots.shape)} {slots.dtype}"
         )
-    if any(t.device.type != "cpu" for t in (x, states, slots, weight)):
+    if bias is not None and (bias.shape != (c,) or bias.dtype != torch.float32 or not bias.is_contiguous()):
+        raise ValueError(
+            f"conv_update: bias must be a contiguous float32 [{c}], got {tuple(bias.shape)} {bias.dtype}"
+        )
+    if any(t.device.type != "cpu" for t in (x, states, slots, weight, *([] if bias is None else [bias]))):
         raise ValueError("conv_update: every tensor must be on the CPU")
     out = torch.empty((b, c), dtype=torch.float32)
     rc = library().cbgen_conv_update(
@@ -145,6 +153,7 @@ def conv_update(
         slots.data_ptr(),
         states.shape[2],
         weight.data_ptr(),
+        None if bias is None else bias.data_ptr(),
         out.data_ptr(),
         b,
         c,

@@ -174,14 +174,15 @@ int cbgen_gdn_recurrent(const float *q, const float *k, const float *v, const fl
 /* A causal depthwise convolution's decode step (transformers' causal_conv1d_update for one token),
  * on state slots in place: each slot keeps a channel's last `width` inputs (width >= K - 1);
  * out[b, c] = sum over the K taps of the window (the last K - 1 kept inputs, then x[b, c]) times
- * weight[c, :], and the kept inputs move one column.  Bit for bit what torch's conv1d (oneDNN's
- * depthwise kernel) computes without bias: the taps accumulate in order from zero, each by a fused
- * multiply-add.  The activation is left to the caller.
+ * weight[c, :] (plus bias[c]), and the kept inputs move one column.  Bit for bit what torch's conv1d
+ * (oneDNN's depthwise kernel) computes: the taps accumulate in order from the bias (or zero), each
+ * by a fused multiply-add.  The activation is left to the caller.
  *
- * float32: x [B, C] rows of stride x_stride; states [num_slots, C, width]; weight [C, K]; out [B, C]
- * contiguous; slots [B] int64, distinct.  rc 1 = bad sizes, rc 2 = a slot out of range or repeated. */
+ * float32: x [B, C] rows of stride x_stride; states [num_slots, C, width]; weight [C, K]; bias [C] or
+ * NULL; out [B, C] contiguous; slots [B] int64, distinct.  rc 1 = bad sizes, rc 2 = a slot out of range or repeated. */
 int cbgen_conv_update(const float *x, int64_t x_stride, float *states, int64_t num_slots, const int64_t *slots,
-                      int64_t width, const float *weight, float *out, int64_t B, int64_t C, int64_t K) {
+                      int64_t width, const float *weight, const float *bias, float *out, int64_t B, int64_t C,
+                      int64_t K) {
     if (!x || !states || !slots || !weight || !out) return 1;
     if (B <= 0 || C <= 0 || K < 2 || K > 64 || width < K - 1 || width > 64 || x_stride < C || num_slots <= 0)
         return 1;
@@ -199,7 +200,7 @@ int cbgen_conv_update(const float *x, int64_t x_stride, float *states, int64_t n
         for (int64_t c = 0; c < C; ++c) {
             float *w = kept + c * width;
             const float *wc = weight + c * K;
-            float acc = 0.0f;
+            float acc = bias ? bias[c] : 0.0f;
             for (int64_t k = 0; k < K - 1; ++k) acc = fmaf(w[skip + k], wc[k], acc);
             acc = fmaf(xb[c], wc[K - 1], acc);
             ob[c] = acc;
