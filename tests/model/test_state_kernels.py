@@ -280,6 +280,10 @@ def test_generation_is_the_same_bits_with_and_without_the_kernel(monkeypatch):
             (c.token_ids, c.raw_logprobs, c.token_logprobs, c.top_logprobs) for o in outs for c in o.outputs
         ]
 
+    monkeypatch.delenv("CBGEN_STATE_KERNELS", raising=False)  # the default, whatever the caller's shell says
+    # Both runs on torch's thread count: a step beside a busy neighbour runs on fewer threads, and a
+    # GEMM's bits depend on how many threads split it.
+    monkeypatch.setenv("CBGEN_FOLLOW_LOAD", "0")
     plan, with_kernel = run()
     report = plan.report()
     assert plan.state_kernels and "Gated DeltaNet (1 layers)" in report and "convolution (1 layers)" in report
