@@ -178,6 +178,7 @@ class StepStates:
         self._stored: set[tuple[str, int]] = set()
         self._in_place = in_place
         self._stand_ins: dict[tuple[str, int], torch.Tensor] = {}
+        self._stand_in_keys: dict[int, tuple[str, int]] = {}  # id(stand-in) -> its state
 
     def _view(self, name: str, layer: int) -> torch.Tensor:
         key = (name, layer)
@@ -204,6 +205,7 @@ class StepStates:
             pool = self._states[key]
             stand_in = pool.new_full((1,) * (pool.dim() - 1), float("nan"))
             stand_in = self._stand_ins[key] = stand_in.expand(self._slots.shape[0], *pool.shape[1:])
+            self._stand_in_keys[id(stand_in)] = key
         return stand_in
 
     def get_conv_state(self, layer_idx: int, state_idx: int = 0) -> torch.Tensor | None:
@@ -217,10 +219,10 @@ class StepStates:
     def in_place_target(self, state: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The slot pool and slots that a kernel updates in place for ``state``, when ``state`` is a
         stand-in from a getter (else None: the state is an ordinary tensor)."""
-        for key, stand_in in self._stand_ins.items():
-            if stand_in is state:
-                return self._states[key], self._slots
-        return None
+        key = self._stand_in_keys.get(id(state))
+        if key is None or self._stand_ins[key] is not state:
+            return None
+        return self._states[key], self._slots
 
     def update_conv_state(
         self, conv_states: torch.Tensor, layer_idx: int, state_idx: int = 0, **kwargs
