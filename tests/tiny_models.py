@@ -209,3 +209,49 @@ def make_wide_state_model(seed: int = 0, dtype: torch.dtype = torch.float32) -> 
     )
     torch.manual_seed(seed)
     return _initialised(transformers.Qwen3_5ForCausalLM(config).to(dtype), seed)
+
+
+# Models whose layers cache keys and values of their own shapes (kind -> model type and the config
+# fields changed from the support matrix's shrunk config).
+KV_SHAPE_KINDS: dict[str, tuple[str, dict]] = {
+    # Latent attention (DeepSeek V3's, also GLM-4.7-Flash's and Kimi K2's): keys of 24 + 16 = 40,
+    # values of 16 per head, interleaved rope, a q LoRA.
+    "mla": ("deepseek_v3", {"qk_nope_head_dim": 24, "v_head_dim": 16, "num_hidden_layers": 3}),
+    # Gemma 4: 16-wide sliding layers (window 8, shorter than the prompts), 32-wide full layers with
+    # keys and values from one projection, and the last two layers reading earlier layers' KV.
+    "gemma4": (
+        "gemma4_text",
+        {
+            "num_hidden_layers": 5,
+            "layer_types": ["sliding_attention", "full_attention"]
+            + ["sliding_attention"] * 2
+            + ["full_attention"],
+            "attention_k_eq_v": True,
+            "num_kv_shared_layers": 2,
+            "sliding_window": 8,
+            "global_head_dim": 32,
+        },
+    ),
+    # MiMo-V2-Flash: keys of 24 and values of 16, sinks, a sliding layer with its own KV heads.
+    "mimo": ("mimo_v2_flash", {"head_dim": 24, "v_head_dim": 16, "sliding_window": 8}),
+    # JetMoE: keys and values tiled top_k times before the attention call.
+    "jetmoe": ("jetmoe", {}),
+}
+
+
+def make_kv_shape_model(kind: str, seed: int = 0, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    """A tiny random model of ``kind`` (a key of :data:`KV_SHAPE_KINDS`), eval mode, weights drawn as
+    the support matrix draws them."""
+    shrink = _shrink()
+    model_type, overrides = KV_SHAPE_KINDS[kind]
+    base = shrink.build_config(model_type)
+    fields = base.to_dict()
+    if "layer_types" in overrides:
+        fields.pop("per_layer_config", None)  # derived again from the new layer types
+    for key in ("model_type", "transformers_version"):
+        fields.pop(key, None)
+    config = type(base)(**{**fields, **overrides})
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
+    shrink.randomize(model)
+    return model.eval()

@@ -26,6 +26,12 @@ def _dtensor_param(model: torch.nn.Module) -> Any:
     return None
 
 
+def is_sharded(model: torch.nn.Module) -> bool:
+    """Whether transformers' tensor parallelism split the model's parameters (DTensors): its forward
+    then needs every rank, so nothing may run it on one rank alone."""
+    return _dtensor_param(model) is not None
+
+
 @dataclass(frozen=True)
 class Topology:
     """One process's place among the ranks.  ``tp_ranks`` are the global ranks of its

@@ -488,6 +488,16 @@ def build_model(model_type: str, seed: int = 0, dtype: torch.dtype = torch.float
         model = getattr(transformers, mapping()[model_type])._from_config(copy.deepcopy(config), dtype=dtype)
     else:
         model = AutoModelForCausalLM.from_config(copy.deepcopy(config), dtype=dtype)
+    randomize(model)
+    # Models with per-language adapters (X-MOD) need a language for inputs that name none.
+    if hasattr(model, "set_default_language") and getattr(config, "languages", None):
+        model.set_default_language(config.languages[0])
+    return model.eval()
+
+
+def randomize(model: torch.nn.Module) -> None:
+    """Larger random weights than the default init (greedy ties are rarer), and the test token ids
+    (eos 2, pad 0, bos 1) in the generation config."""
     with torch.no_grad():
         for p in model.parameters():
             if not p.is_floating_point():
@@ -500,7 +510,3 @@ def build_model(model_type: str, seed: int = 0, dtype: torch.dtype = torch.float
                 p.add_(torch.randn_like(p), alpha=0.1)
     gen = model.generation_config
     gen.eos_token_id, gen.pad_token_id, gen.bos_token_id = 2, 0, 1
-    # Models with per-language adapters (X-MOD) need a language for inputs that name none.
-    if hasattr(model, "set_default_language") and getattr(config, "languages", None):
-        model.set_default_language(config.languages[0])
-    return model.eval()

@@ -48,7 +48,10 @@ SUBSET: dict[str, tuple[str, str]] = {
     "doge": (matrix.REFUSED, "its own attention mask"),
     "bloom": (matrix.REFUSED, "no `layer_idx`"),
     "diffllama": (matrix.REFUSED, "times per forward"),
-    "deepseek_v3": (matrix.REFUSED, "multi-head latent attention"),
+    # Latent attention (keys 32, values 16), Gemma 4 (per-layer head sizes), JetMoE (tiled KV heads).
+    "deepseek_v3": (matrix.EXACT, ""),
+    "gemma4_text": (matrix.EXACT, ""),
+    "jetmoe": (matrix.EXACT, ""),
     "dory": (matrix.REFUSED, "times per forward"),
     "moshi": (matrix.EXACT_FORWARD, "generate() differs"),
 }

@@ -37,8 +37,10 @@ def make_case(
     block_size: int,
     dtype: torch.dtype,
     extra_blocks: int = 2,
+    v_head_dim: int | None = None,
 ) -> tuple[torch.Tensor, ...]:
-    """Random query/caches plus a block table whose unused tail is poisoned with ``GARBAGE_BLOCK``.
+    """Random query/caches plus a block table whose unused tail is poisoned with ``GARBAGE_BLOCK``
+    (``v_head_dim``: values of another head size than keys, as latent attention's).
 
     Returns ``(query, k_cache, v_cache, block_table, clean_table, seq_lens)``; ``clean_table`` has
     the poisoned entries replaced by 0 so the gather-based reference can consume it.
@@ -46,7 +48,8 @@ def make_case(
     gen = torch.Generator().manual_seed(seed)
     num_blocks = max(NUM_BLOCKS, max(-(-n // block_size) for n in lens))
     k_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=gen).to(dtype)
-    v_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=gen).to(dtype)
+    v_dim = v_head_dim or head_dim
+    v_cache = torch.randn(num_blocks, block_size, num_kv_heads, v_dim, generator=gen).to(dtype)
     query = torch.randn(len(lens), num_heads, head_dim, generator=gen).to(dtype)
     max_blocks = max(-(-n // block_size) for n in lens) + extra_blocks
     table = torch.full((len(lens), max_blocks), GARBAGE_BLOCK, dtype=torch.int32)
@@ -73,6 +76,7 @@ def check_decode(
     seed: int = 0,
     sliding_window: int | None = None,
     softcap: float | None = None,
+    v_head_dim: int | None = None,
     **kernel_kwargs,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, float]:
     """Runs a paged-decode ``kernel`` (``paged_ops.paged_decode_attention``'s signature) on a random
@@ -80,14 +84,14 @@ def check_decode(
     rows must come out as exact zeros.  Returns ``(k_cache, block_table, seq_lens, scale)`` as passed
     to the kernel, for further checks."""
     query, k_cache, v_cache, table, clean, seq_lens = make_case(
-        seed, lens, num_heads, num_kv_heads, head_dim, block_size, dtype
+        seed, lens, num_heads, num_kv_heads, head_dim, block_size, dtype, v_head_dim=v_head_dim
     )
     scale = head_dim**-0.5
     out = kernel(query, k_cache, v_cache, table, seq_lens, scale, sliding_window, softcap, **kernel_kwargs)
     expected = paged_ops.paged_decode_attention(
         query.float(), k_cache.float(), v_cache.float(), clean, seq_lens, scale, sliding_window, softcap
     )
-    assert out.shape == query.shape and out.dtype == dtype
+    assert out.shape == (*query.shape[:2], v_cache.shape[-1]) and out.dtype == dtype
     live = seq_lens > 0
     assert_close(out[live].float(), expected[live], dtype)
     assert torch.equal(out[~live], torch.zeros_like(out[~live]))

@@ -103,6 +103,47 @@ def test_decode_with_prefetches_into_l2(dtype, impl, num_heads, num_kv_heads, he
     _check_decode(lens, num_heads, num_kv_heads, head_dim, 16, dtype, seed=head_dim, impl=impl)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    ("num_heads", "num_kv_heads", "head_dim", "v_head_dim"),
+    [(4, 4, 40, 16), (16, 16, 192, 128), (8, 2, 24, 32), (2, 1, 96, 64), (3, 3, 8, 5)],
+)
+@pytest.mark.parametrize("lens", [LENS, MANY_LENS, [1200, 3]], ids=["few-rows", "many-rows", "long"])
+@pytest.mark.parametrize("impl", IMPLS)
+def test_decode_with_values_of_another_head_size(
+    dtype, num_heads, num_kv_heads, head_dim, v_head_dim, lens, impl
+):
+    """Latent attention's expanded keys and values (DeepSeek 192 / 128, MiniCPM3 96 / 64, the tiny
+    test models' 40 / 16) and values wider than keys, through every loop request (the vector loops
+    take one size for both, so these run the portable loops whatever is asked), in one task per
+    (row, kv head), per row and split into chunks; against the torch reference."""
+    _check_decode(lens, num_heads, num_kv_heads, head_dim, 8, dtype, v_head_dim=v_head_dim, impl=impl)
+    _check_decode(
+        lens, num_heads, num_kv_heads, head_dim, 8, dtype, v_head_dim=v_head_dim, window=33, impl=impl
+    )
+
+
+def test_store_kv_with_values_of_another_head_size() -> None:
+    gen = torch.Generator().manual_seed(2)
+    heads, k_dim, v_dim, tokens, block_size = 4, 40, 16, 9, 8
+    key = torch.randn(tokens, heads, k_dim, generator=gen)
+    value = torch.randn(tokens, heads, v_dim, generator=gen)
+    slots = torch.randperm(NUM_BLOCKS * block_size, generator=gen)[:tokens]
+    slots[3] = -1
+    k_cache = torch.randn(NUM_BLOCKS, block_size, heads, k_dim, generator=gen)
+    v_cache = torch.randn(NUM_BLOCKS, block_size, heads, v_dim, generator=gen)
+    ref_k, ref_v, out_k, out_v = k_cache.clone(), v_cache.clone(), k_cache.clone(), v_cache.clone()
+    paged_ops.store_kv(key, value, ref_k, ref_v, slots)
+    cpu_kernels.store_kv(key, value, out_k, out_v, slots)
+    assert torch.equal(out_k, ref_k) and torch.equal(out_v, ref_v)
+    # Values shaped for another head count, or keys for the value size, are refused before C.
+    with pytest.raises(ValueError, match="v_cache"):
+        cpu_kernels.store_kv(key, value, out_k, torch.zeros(NUM_BLOCKS, block_size, heads + 1, v_dim), slots)
+    with pytest.raises(ValueError, match="value"):
+        cpu_kernels.store_kv(key, key, out_k, out_v, slots)
+    assert torch.equal(out_k, ref_k) and torch.equal(out_v, ref_v)
+
+
 @pytest.mark.parametrize("impl", [3, 7, 8, -1])
 def test_decode_refuses_an_unknown_impl(impl: int) -> None:
     query, k_cache, v_cache, table, _, seq_lens = make_case(1, [5, 9], 4, 2, 16, 8, torch.float32)

@@ -53,6 +53,22 @@ class ParityMask:
     rows: RowPositions
     window: int | None
 
+    def __getitem__(self, index) -> ParityMask:
+        """Gemma 4 slices its masks to the ``logits_to_keep`` query rows before its KV-shared layers;
+        with every row kept (a trainer's forward: ``logits_to_keep=0``) the slice is this mask.  A
+        slice that drops query rows is refused: the parity core attends every row."""
+        everything = slice(None)
+        rows = index[2] if isinstance(index, tuple) and len(index) == 4 else None
+        whole = (
+            isinstance(rows, slice) and rows.start in (None, 0) and rows.stop is None and rows.step is None
+        )
+        if not whole or any(i != everything for i in (index[0], index[1], index[3])):
+            raise NotImplementedError(
+                f"cbgen.parity attends every query row; the model sliced its mask with {index!r} "
+                "(call it with logits_to_keep=0)"
+            )
+        return self
+
 
 def parity_mask(
     batch_size: int,

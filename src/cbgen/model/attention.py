@@ -112,6 +112,10 @@ class AttentionMetadata:
     row_prefill_max_len: int = 0
     # The engine's backend; the runner sets it before every forward (the builder does not know it).
     backend: AttentionBackend | None = None
+    # Layers that read another layer's keys and values (Gemma 4's KV-shared layers): their
+    # producer stored this step's keys and values already, so they attend without storing.  Set by
+    # the runner with ``kv_caches``, from the cache layout.
+    kv_readers: frozenset[int] = frozenset()
     # Tensors derived once per step and shared by every layer (masks, index plans).
     derived: dict = field(default_factory=dict)
 
@@ -148,6 +152,9 @@ class AttentionBackend:
     # Whether :meth:`attend_with_sinks` works here (the torch reference's); the plan picks such a
     # backend for models whose attention has sink logits.
     attends_sinks: bool = True
+    # Whether its kernels take keys and values of different head sizes (latent attention's 192 / 128).
+    # A layer whose sizes differ is attended by the torch reference where they do not.
+    mixed_head_sizes: bool = True
 
     def __init__(self) -> None:
         # ``store_kv(key, value, k_cache, v_cache, slot_mapping)``, as paged_ops.store_kv.
@@ -361,11 +368,15 @@ def paged_attention_forward(
     k, v = key[0].transpose(0, 1), value[0].transpose(0, 1)
     if k.shape[1:] != k_cache.shape[2:] or v.shape[1:] != v_cache.shape[2:]:
         raise ValueError(
-            f"{type(module).__name__} (layer {module.layer_idx}) makes keys of {tuple(k.shape[1:])} and "
-            f"values of {tuple(v.shape[1:])} (KV heads, head size) per token, and the KV cache, sized from "
-            f"the config, holds {tuple(k_cache.shape[2:])}: layers with their own KV shapes are not supported"
+            f"{type(module).__name__} (layer {layer_idx}) makes keys of {tuple(k.shape[1:])} and "
+            f"values of {tuple(v.shape[1:])} (KV heads, head size) per token, and its KV cache holds "
+            f"{tuple(k_cache.shape[2:])} and {tuple(v_cache.shape[2:])}: the shapes changed since the "
+            "engine read them at start"
         )
-    backend.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+    if k_cache.shape[-1] != v_cache.shape[-1] and not backend.mixed_head_sizes:
+        backend = _REFERENCE
+    if layer_idx not in meta.kv_readers:
+        backend.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
     if layer.sinks is not None:
         return backend.attend_with_sinks(meta, q, k_cache, v_cache, layer)[None], None
 
@@ -373,12 +384,17 @@ def paged_attention_forward(
     if not meta.prefills:
         return backend.decode(meta, q, k_cache, v_cache, layer)[None], None
 
-    # Contiguous, whatever q's strides: prefill kernels write row ranges of it in place.
-    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    # Contiguous, whatever q's strides: prefill kernels write row ranges of it in place.  Values may
+    # be narrower than queries (latent attention), and the output is as wide as the values.
+    out = torch.empty((*q.shape[:-1], v.shape[-1]), dtype=q.dtype, device=q.device)
     if nd:
         out[:nd] = backend.decode(meta, q[:nd], k_cache, v_cache, layer)
     backend.prefill(meta, q, k, v, k_cache, v_cache, layer, out)
     return out[None], None
+
+
+# The torch reference, for layers a backend's kernels do not take (see ``mixed_head_sizes``).
+_REFERENCE = AttentionBackend()
 
 
 def _no_metadata_error(module: torch.nn.Module) -> RuntimeError:

@@ -61,6 +61,7 @@ class ParityBackend(AttentionBackend):
 
     name = "parity"
     attends_sinks = False
+    mixed_head_sizes = False  # the parity plan refuses such models (cbgen.model.plan)
 
     def __init__(self) -> None:
         super().__init__()
@@ -129,6 +130,9 @@ class KernelBackend(AttentionBackend):
     """
 
     paged_decode = True
+    # The kernels take one head size for keys and values; latent attention's layers (192 / 128) are
+    # attended by the torch reference (AttentionBackend.mixed_head_sizes).
+    mixed_head_sizes = False
 
     def __init__(self, store_kv: Callable[..., None], decode_kernel: Callable[..., torch.Tensor]) -> None:
         super().__init__()
@@ -180,6 +184,9 @@ class CpuBackend(KernelBackend):
     # 4,096: flash SDPA 6.1 / 15.1 s, rows 9.4 / 15.0 s).  Only measured on these kernels, hence 0 on
     # the other backends.
     row_prefill_max = 64
+    # Keys and values of different head sizes (latent attention) run the C kernel's portable loops;
+    # its vector loops take one size for both (cpu_paged.c).
+    mixed_head_sizes = True
 
     def __init__(self, decode_impl: int = cpu_kernels.IMPL_FAST) -> None:
         # decode_impl: which loops the decode kernel runs (the plan's measured choice, decode_loops.py).

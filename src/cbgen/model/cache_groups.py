@@ -4,7 +4,12 @@ A group is a set of layers whose cache entries share one shape:
 
 * ``kv``: paged keys and values per token, with its own KV heads, key head size, value head size
   (they may differ: latent attention) and block size; one block pool each
-  (:class:`cbgen.core.block_manager.BlockManager`), one block table per request;
+  (:class:`cbgen.core.block_manager.BlockManager`), one block table per request.  The layers of one
+  kv group may differ in KV heads and head sizes (``layer_shapes``: Gemma 4's 256-wide sliding and
+  512-wide full layers, JetMoE's tiled heads): a block id addresses the same tokens in every layer's
+  own key and value tensors, so such layers share one block table, one prefix-hash chain and
+  partial-block prefix hits, and a block costs the sum of its layers' bytes.  Separate pools would
+  pay only where block sizes differ, and an engine has one block size;
 * ``state``: a fixed-size state per sequence and layer (a recurrent or convolution state), one slot
   per running sequence (:class:`cbgen.core.slots.SlotPool`).  Each state group is one *named*
   state (``conv0``, ``recurrent0``: what transformers' cache calls the conv and recurrent state
@@ -14,8 +19,8 @@ A group is a set of layers whose cache entries share one shape:
 Layers that read another layer's keys and values instead of writing their own belong to no group
 and are listed in ``shared`` (reader, producer).
 
-Attention-only models have one ``kv`` group over all their layers (one head size, what the config
-says).  Models with linear-attention, state-space or convolution layers have one ``kv`` group over
+Attention-only models have one ``kv`` group over all their layers, with the shapes each layer's
+attention receives (:mod:`cbgen.model.kv_shapes`; under tensor parallelism, what the config says).  Models with linear-attention, state-space or convolution layers have one ``kv`` group over
 their attention layers (possibly none: a pure state-space model's kv group holds no layer, and its
 blocks only count tokens) and one ``state`` group per named state
 (:func:`cbgen.model.state_cache.state_layout`).  The scheduler, block pools, input builder and KV
@@ -48,6 +53,9 @@ class CacheGroup:
     block_size: int = 0
     state_shapes: tuple[tuple[int, ...], ...] = ()  # kind "state": one shape per layer
     name: str = ""  # kind "state": which state of its layers (``conv0``, ``recurrent0``)
+    # kind "kv" whose layers differ: (KV heads, key head size, value head size) per layer, in the
+    # order of ``layers``; empty when every layer has the group's own shape.
+    layer_shapes: tuple[tuple[int, int, int], ...] = ()
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -61,6 +69,30 @@ class CacheGroup:
             raise ValueError(f"a kv group needs heads, head sizes and a block size, got {self}")
         if self.kind == "state" and (len(self.state_shapes) != len(self.layers) or not self.name):
             raise ValueError("a state group needs a name and one state shape per layer")
+        if self.layer_shapes and (
+            len(self.layer_shapes) != len(self.layers) or min(min(s) for s in self.layer_shapes) < 1
+        ):
+            raise ValueError("a kv group's layer shapes need one (heads, K size, V size) per layer, all >= 1")
+
+    def shape_of(self, layer: int) -> tuple[int, int, int]:
+        """(KV heads, key head size, value head size) of one of the group's layers."""
+        if self.layer_shapes:
+            return self.layer_shapes[self.layers.index(layer)]
+        return (self.num_kv_heads, self.k_head_dim, self.v_head_dim)
+
+    @property
+    def shapes(self) -> dict[tuple[int, int, int], tuple[int, ...]]:
+        """Each distinct (KV heads, K size, V size) of the group and its layers."""
+        found: dict[tuple[int, int, int], list[int]] = {}
+        for layer in self.layers:
+            found.setdefault(self.shape_of(layer), []).append(layer)
+        return {shape: tuple(layers) for shape, layers in found.items()}
+
+    @property
+    def uniform_head_sizes(self) -> bool:
+        """Whether every layer's keys and values have one head size (what kernels that take one
+        size for both need)."""
+        return all(k == v for _, k, v in self.shapes)
 
     @property
     def itemsize(self) -> int:
@@ -69,8 +101,8 @@ class CacheGroup:
 
     def bytes_per_block(self) -> int:
         """Bytes of K plus V for one block across the group's layers (kind ``kv``)."""
-        per_token = self.num_kv_heads * (self.k_head_dim + self.v_head_dim) * self.itemsize
-        return len(self.layers) * self.block_size * per_token
+        per_token = sum(heads * (k + v) for heads, k, v in map(self.shape_of, self.layers))
+        return self.block_size * per_token * self.itemsize
 
     def bytes_per_slot(self) -> int:
         """Bytes of one sequence's state across the group's layers (kind ``state``)."""
@@ -84,8 +116,12 @@ class CacheGroup:
         if self.kind == "state":
             dtype = str(self.dtype).removeprefix("torch.")
             return f"state {self.name} ({dtype}), {span}: {self.bytes_per_slot()} bytes a sequence"
-        heads = f"{self.num_kv_heads} KV heads x K {self.k_head_dim} / V {self.v_head_dim}"
         per_token = self.bytes_per_block() // self.block_size
+        shapes = self.shapes
+        heads = "; ".join(
+            (f"{_span(layers)}: " if len(shapes) > 1 else "") + f"{h} KV heads x K {k} / V {v}"
+            for (h, k, v), layers in shapes.items()
+        )
         return f"kv, {span}: {heads}, blocks of {self.block_size} tokens, {per_token} bytes a token"
 
 
@@ -152,7 +188,13 @@ class CacheLayout:
     def describe(self) -> str:
         """The groups in one line each (``cbgen info``)."""
         lines = [g.describe() for g in self.groups]
-        lines += [f"layer {r} reads layer {p}'s KV" for r, p in self.shared]
+        readers: dict[int, list[int]] = {}
+        for reader, producer in self.shared:
+            readers.setdefault(producer, []).append(reader)
+        lines += [
+            f"{_span(tuple(rs))} read{'s' if len(rs) == 1 else ''} layer {p}'s KV"
+            for p, rs in readers.items()
+        ]
         if self.state_groups and self.align > 1:
             lines.append(f"prefill chunks end at multiples of {self.align} tokens")
         elif self.state_groups and self.align == 0:
@@ -161,8 +203,9 @@ class CacheLayout:
 
     @classmethod
     def from_model(cls, model: torch.nn.Module, dtype: torch.dtype, block_size: int) -> CacheLayout:
-        """The layout of a model cbgen runs today: one kv group over every layer, heads and head size
-        from the (text) config (KV heads: this rank's share under tensor parallelism)."""
+        """One kv group over every layer, heads and head size from the (text) config (KV heads: this
+        rank's share under tensor parallelism).  The layout where :mod:`cbgen.model.kv_shapes`
+        cannot watch a forward (a tensor-parallel model, whose forward needs every rank)."""
         config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
         num_heads = config.num_attention_heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads

@@ -1,7 +1,8 @@
 """The cache tensors of a model's cache layout, sized from an explicit memory budget.
 
 Per layer of a ``kv`` group (:mod:`cbgen.model.cache_groups`), one key and one value tensor of
-``num_blocks + 1`` blocks shaped by its group (KV heads, key and value head sizes, block size); every
+``num_blocks + 1`` blocks shaped by its group (the layer's KV heads, key and value head sizes, the
+group's block size); every
 ``kv`` group has the same number of blocks (one pool each, :class:`cbgen.core.cache_pools.CachePools`).
 Per layer of a ``state`` group, one tensor of ``num_slots + 1`` per-sequence states, keyed by the
 state's name and the layer (``states[("recurrent0", 3)]``).  The extra block
@@ -196,9 +197,10 @@ class KVCache:
         layers: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * num_layers
         with torch.inference_mode():
             for g in self.layout.kv_groups:
-                k_shape = (self.num_blocks + 1, g.block_size, g.num_kv_heads, g.k_head_dim)
-                v_shape = (*k_shape[:3], g.v_head_dim)
                 for layer in g.layers:
+                    heads, k_dim, v_dim = g.shape_of(layer)
+                    k_shape = (self.num_blocks + 1, g.block_size, heads, k_dim)
+                    v_shape = (*k_shape[:3], v_dim)
                     layers[layer] = (
                         _zeros(k_shape, g.dtype, self.device),
                         _zeros(v_shape, g.dtype, self.device),

@@ -167,10 +167,13 @@ class ExecutionPlan:
         if self.attention == "cpu":
             entries.append(("decode loops", self.decode_loops, self.decode_loops_why))
         entries += [("forward", self.forward, self.forward_why)]
+        kv_per_token = sum(g.bytes_per_block() // g.block_size for g in self.cache.kv_groups)
         if self.cache.state_groups:
             # State models: what each sequence holds beyond its KV blocks (cbgen.model.state_cache).
             per_seq = self.cache.bytes_per_slot() / 2**20
             entries.append(("cache", f"{per_seq:.2f} MiB of state a sequence", self.cache.describe()))
+        else:
+            entries.append(("cache", f"{kv_per_token} bytes of KV a token", self.cache.describe()))
             if self.state_kernels_why:
                 kernels = "C" if self.state_kernels else "torch"
                 entries.append(("state kernels", kernels, self.state_kernels_why))
@@ -245,6 +248,20 @@ def resolve_plan(
     if cache.state_groups:
         decode_mode, decode_mode_why = "eager", STATE_FORWARD_WHY
         forward, forward_why = "module", STATE_FORWARD_WHY
+    mixed = not all(g.uniform_head_sizes for g in cache.kv_groups)
+    if mixed and attention == "cpu":
+        attention_why += (
+            "; layers whose keys and values differ in head size (latent attention) through the C "
+            "kernel's portable loops (its vector loops take one size)"
+        )
+    if mixed and not backend.mixed_head_sizes:
+        attention_why += (
+            "; layers whose keys and values differ in head size (latent attention) through the torch "
+            "reference, which the backend's kernels do not take"
+        )
+        if decode_mode != "eager":
+            # The reference store filters padding rows on the host: no fixed-shape steps, no graphs.
+            decode_mode, decode_mode_why = "eager", "layers attended by the torch reference run eagerly"
     gemms, shapes, c_step, c_step_why = None, (), frozenset(), "not with the module forward"
     if cache.state_groups and device.type == "cpu" and cpu_kernels.supports(dtype):
         # The module forward of a state model runs its projections through packed GEMMs.
@@ -327,6 +344,14 @@ def _parity_plan(
     argmax is exact; the logprobs are recomputed the trainer side's way)."""
     if config.compile:
         raise ValueError("batch_invariant=True runs eagerly: compile=True is not supported with it")
+    mixed = [g for g in cache.kv_groups if not g.uniform_head_sizes]
+    if mixed:
+        (_, k, v), layers = next((s, ls) for s, ls in mixed[0].shapes.items() if s[1] != s[2])
+        raise ValueError(
+            f"batch_invariant=True: {type(model).__name__}'s attention takes keys of head size {k} and "
+            f"values of {v} (layer {layers[0]}), and parity mode's attention kernels (C, Triton and "
+            "the torch form, the trainer's and the engine's) take one head size for both (see docs/rl.md)"
+        )
     if config.decode_mode == "graphs":
         raise ValueError(
             "batch_invariant=True supports decode_mode 'auto', 'eager' or 'static', not 'graphs'"
@@ -542,18 +567,23 @@ def _sampled_rows_choice(device: torch.device) -> tuple[str, str]:
 
 def cache_layout(model: nn.Module, dtype: torch.dtype, block_size: int) -> CacheLayout:
     """The model's cache layout, or the refusal of a model whose cache shape cannot be read: one kv
-    group for attention-only models; for models with state layers, a kv group over the attention
-    layers and the state groups (:func:`cbgen.model.state_cache.state_layout`).  Layouts of several
-    kv groups or with KV-sharing layers are refused here until a backend takes them."""
+    group over the attention layers, shaped by what each layer's attention receives
+    (:mod:`cbgen.model.kv_shapes`; by the config under tensor parallelism), KV-sharing readers
+    pointing at their producers; for models with state layers, the state groups too
+    (:func:`cbgen.model.state_cache.state_layout`).  Layouts of several kv groups are refused here
+    until a backend takes them."""
     from cbgen.model import support
     from cbgen.model.state_cache import state_layout
+    from cbgen.topology import is_sharded
 
     name = type(model).__name__
     try:
         if support.has_state_layers(model):
             layout = state_layout(model, dtype, block_size)
-        else:
+        elif is_sharded(model):
             layout = CacheLayout.from_model(model, dtype, block_size)
+        else:
+            layout = _recorded_or_config_layout(model, dtype, block_size)
     except support.UnsupportedModelError:
         raise
     except Exception as exc:  # whatever the config or the start-up forward raises, refused with it
@@ -563,11 +593,31 @@ def cache_layout(model: nn.Module, dtype: torch.dtype, block_size: int) -> Cache
                 f"{type(exc).__name__}: {exc}"
             ) from exc
         raise support.geometry_error(model, exc) from exc
-    if len(layout.kv_groups) != 1 or layout.shared:
+    if len(layout.kv_groups) != 1:
         raise support.UnsupportedModelError(
             f"{name}'s cache is {layout.describe()}: cbgen's attention backends take one kv group"
         )
     return layout
+
+
+def _recorded_or_config_layout(model: nn.Module, dtype: torch.dtype, block_size: int) -> CacheLayout:
+    """The layout read from a recorded forward, else (nothing called attention through the
+    interface, or the forward failed) from the config, whose refusals and the start-up checks then
+    say why the model cannot run."""
+    from cbgen.model import kv_shapes, support
+
+    try:
+        layout = kv_shapes.recorded_layout(model, dtype, block_size)
+    except Exception as exc:
+        try:
+            return CacheLayout.from_model(model, dtype, block_size)
+        except Exception:
+            raise support.UnsupportedModelError(
+                f"{type(model).__name__}'s own forward on input_ids alone fails "
+                f"({type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}), and its "
+                "config states no KV shape: cbgen feeds the model token ids and positions only"
+            ) from exc
+    return layout if layout is not None else CacheLayout.from_model(model, dtype, block_size)
 
 
 def _has_sinks(model: nn.Module) -> bool:

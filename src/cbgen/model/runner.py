@@ -105,6 +105,7 @@ class ModelRunner:
             plan.attention, plan.device, decode_loops.IMPLS[plan.decode_loops]
         )
         backend.check_geometry(kv_cache.block_size, kv_cache.geometry.k_head_dim)
+        self._kv_readers = frozenset(reader for reader, _ in kv_cache.layout.shared)
         self.compiled = plan.compile
         self.static: StaticDecodeRunner | None = None
         if plan.decode_mode != "eager":
@@ -296,6 +297,7 @@ class ModelRunner:
             )
         meta = batch.meta
         meta.kv_caches = self.kv_cache.layers
+        meta.kv_readers = self._kv_readers
         meta.backend = self.attn_backend
         if self._watch is not None and self._watch.changed():
             # The one check before a step (see cbgen.model.plan): hooks and module swaps reach no
@@ -315,6 +317,7 @@ class ModelRunner:
         with self._module_view(), self._packed_projections():
             for piece in batch.pieces:
                 piece.meta.kv_caches = self.kv_cache.layers
+                piece.meta.kv_readers = self._kv_readers
                 piece.meta.backend = self.attn_backend
                 shape = piece.shape
                 decode = shape[1] == 1 and not piece.fresh

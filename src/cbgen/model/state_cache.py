@@ -36,6 +36,7 @@ import torch.nn.functional as F
 
 from cbgen.model import thread_view
 from cbgen.model.cache_groups import CacheGroup, CacheLayout
+from cbgen.model.kv_shapes import attention_shapes, kv_group
 
 # Gated DeltaNet and KDA chunk the sequence in 64s in transformers' torch functions (their
 # ``chunk_size`` default, which no model overrides); Mamba2 mixers say their own ``chunk_size``.
@@ -88,11 +89,12 @@ def state_layout(model: torch.nn.Module, dtype: torch.dtype, block_size: int) ->
             "no layer kept a state in transformers' cache: its recurrent layers keep their state elsewhere "
             "(on the module, as RecurrentGemma, or through a legacy cache API)"
         )
-    shapes = {v for v in kv.values()}
-    if len(shapes) > 1:
-        raise ValueError(f"its attention layers have different KV shapes {sorted(shapes)}")
-    heads, k_dim, v_dim = shapes.pop() if shapes else (1, 64, 64)
-    groups = [CacheGroup("kv", tuple(sorted(kv)), dtype, heads, k_dim, v_dim, block_size)]
+    # What transformers' cache holds is not always what attention receives (latent attention caches
+    # the compressed latent): where a layer's attention call was seen, its shapes are taken.
+    seen = attention_shapes(model)
+    if seen is not None:
+        kv.update({i: shape for i, shape in seen.shapes.items() if i in kv})
+    groups = [kv_group(kv, dtype, block_size)]
     for name, entries in sorted(states.items()):
         dtypes = {d for _, _, d in entries}
         if len(dtypes) > 1:

@@ -11,8 +11,7 @@ Two checks, both at engine start:
 * :func:`check_model` (static, before the KV cache is sized) refuses what the config already says:
   encoder-decoders, layer kinds that keep state outside a KV cache (state-space, linear-attention,
   recurrent and convolution layers, named by the config's per-layer types), bidirectional attention,
-  models with no attention module that transformers routes through the interface, and KV shapes the
-  paged cache cannot hold.
+  and models with no attention module that transformers routes through the interface.
 * :func:`probe` (dynamic, once the runner exists) runs two short sequences through the engine's own
   forward the way steps run them: packed together, one of them split into two chunks, the other
   continued by a decode row.  It compares every position's logits with the model's plain forward of
@@ -128,7 +127,6 @@ def check_model(model: torch.nn.Module) -> None:
     name = type(model).__name__
     if getattr(model.config, "is_encoder_decoder", False):
         raise UnsupportedModelError(f"{name} is an encoder-decoder model; cbgen runs decoder-only models")
-    config = text_config(model)
     foreign = state_kinds(model)
     sparse = {k: v for k, v in foreign.items() if _is_sparse(k)}
     if sparse:
@@ -142,11 +140,6 @@ def check_model(model: torch.nn.Module) -> None:
             f"{name} has state layers ({', '.join(foreign)}), and transformers before "
             f"{'.'.join(map(str, STATE_MIN_TRANSFORMERS))} drops their cached state on multi-token "
             "forwards (chunked prefill); upgrade transformers"
-        )
-    if getattr(config, "kv_lora_rank", None):
-        raise UnsupportedModelError(
-            f"{name} uses multi-head latent attention (kv_lora_rank={config.kv_lora_rank}): its keys "
-            "and values have different head sizes, and cbgen's paged cache holds one head size for both"
         )
     attention = [m for m in model.modules() if hasattr(m, "layer_idx") and hasattr(m, "config")]
     if not attention:

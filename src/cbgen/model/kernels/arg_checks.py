@@ -25,13 +25,18 @@ def _index_ok(t: torch.Tensor, dtype: torch.dtype | None) -> bool:
     return t.dtype == dtype if dtype is not None else t.dtype in _INDEX_DTYPES
 
 
-def check_cache(k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[int, int, int, int]:
+def check_cache(
+    k_cache: torch.Tensor, v_cache: torch.Tensor, mixed: bool = False
+) -> tuple[int, int, int, int]:
     """The ``(num_blocks, block_size, kv_heads, head_dim)`` of a paged cache pair, checked: 4-D,
-    identical shapes, dtypes and devices, contiguous."""
+    identical shapes (``mixed``: all but the value head size, for kernels that take a value head
+    size of its own), dtypes and devices, contiguous."""
     if k_cache.dim() != 4 or not k_cache.is_contiguous():
         raise _fail("k_cache", "a contiguous [num_blocks, block_size, kv_heads, head_dim] tensor", k_cache)
+    same = v_cache.shape[:3] == k_cache.shape[:3] if mixed else v_cache.shape == k_cache.shape
     if (
-        v_cache.shape != k_cache.shape
+        v_cache.dim() != 4
+        or not same
         or v_cache.dtype != k_cache.dtype
         or v_cache.device != k_cache.device
         or not v_cache.is_contiguous()
@@ -50,17 +55,19 @@ def check_store(
     slots: torch.Tensor,
     slot_dtype: torch.dtype | None = torch.int64,
     strided: bool = False,
+    mixed: bool = False,
 ) -> None:
     """``key``/``value`` hold one ``[kv_heads, head_dim]`` row per slot: ``[T, kv_heads, head_dim]``
     or ``[T, kv_heads * head_dim]`` with each row contiguous (any strides with ``strided``, for
     kernels that take them); ``slots`` a 1-D ``[T]`` index tensor (``slot_dtype`` None: int32 or
-    int64)."""
-    _, _, kv_heads, head_dim = check_cache(k_cache, v_cache)
+    int64).  ``mixed``: values may have a head size of their own (``v_cache``'s)."""
+    check_cache(k_cache, v_cache, mixed)
     if slots.dim() != 1 or not _index_ok(slots, slot_dtype) or slots.device != k_cache.device:
         raise _fail("slot_mapping", f"a 1-D {slot_dtype or 'integer'} tensor on {k_cache.device}", slots)
     tokens = slots.shape[0]
-    row = kv_heads * head_dim
-    for name, t in (("key", key), ("value", value)):
+    for name, t, cache in (("key", key, k_cache), ("value", value, v_cache)):
+        kv_heads, head_dim = cache.shape[2:]
+        row = kv_heads * head_dim
         # Strides only matter when there is a row to copy (an empty slice keeps its parent's).
         flat_ok = t.dim() == 2 and t.shape == (tokens, row) and (t.stride(1) == 1 or row == 1 or not tokens)
         heads_ok = t.dim() == 3 and t.shape == (tokens, kv_heads, head_dim)
@@ -79,11 +86,13 @@ def check_decode(
     block_table: torch.Tensor,
     seq_lens: torch.Tensor,
     index_dtype: torch.dtype | None = torch.int32,
+    mixed: bool = False,
 ) -> None:
-    """``query [B, H, D]`` (heads contiguous) against a cache of ``D``-wide heads, ``H`` a multiple of
-    its kv heads; ``block_table [B, W]`` with unit inner stride and ``seq_lens [B]``, both
-    ``index_dtype`` (None: int32 or int64) on the cache's device."""
-    _, _, kv_heads, head_dim = check_cache(k_cache, v_cache)
+    """``query [B, H, D]`` (heads contiguous) against a cache of ``D``-wide key heads, ``H`` a multiple
+    of its kv heads; ``block_table [B, W]`` with unit inner stride and ``seq_lens [B]``, both
+    ``index_dtype`` (None: int32 or int64) on the cache's device.  ``mixed``: value heads may have a
+    size of their own."""
+    _, _, kv_heads, head_dim = check_cache(k_cache, v_cache, mixed)
     if (
         query.dim() != 3
         or query.shape[2] != head_dim

@@ -27,6 +27,7 @@ import shutil
 import subprocess
 import tempfile
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -52,16 +53,23 @@ _SOURCES = [
         "cpu_state.c",
     )
 ]
-_HEADERS = [_CSRC / "cbgen_numerics.h", _CSRC / "cbgen_ranges.h"]
+_HEADERS = [_CSRC / "cbgen_numerics.h", _CSRC / "cbgen_ranges.h", _CSRC / "cbgen_paged.h"]
 # Which decode-attention loops cbgen_paged_decode runs (its ``impl`` argument), and a flag added to
 # them: the vector loops' prefetches go into L2 rather than non-temporally into L1.
 IMPL_FAST, IMPL_PORTABLE, IMPL_AVX2 = 0, 1, 2
 IMPL_PREFETCH_L2 = 4
-_FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=c11"]
+_FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-std=c11"]
 # CBGEN_SANITIZE=address: a separate build of the same sources (the flags are part of the cache key)
 # whose out-of-bounds accesses abort with a report.  The Python process must preload the runtime:
 # LD_PRELOAD=$(cc -print-file-name=libasan.so) ASAN_OPTIONS=detect_leaks=0 (see `make test-asan`).
-_SANITIZE_FLAGS = {"address": ["-fsanitize=address", "-fno-omit-frame-pointer", "-g"]}
+# It is built at -O1, as ASan's authors advise: with instrumentation, -O3 took 62 s for cpu_paged.c
+# alone on a Zen 4 core and over the old 120 s bound on a slower CI machine, -O1 11 s.  The
+# sanitized run checks memory accesses: its tests compare against references with tolerances, or
+# bits that no `omp simd` reduction (vectorised at -O3 only) reaches.
+_SANITIZE_FLAGS = {"address": ["-O1", "-fsanitize=address", "-fno-omit-frame-pointer", "-g"]}
+# A bound on one compiler process, far past any normal build (cpu_paged.c, the largest, takes ~30 s
+# at -O3 on one Zen 4 core), so that only a hung compiler trips it.
+_COMPILE_TIMEOUT_S = 900
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 
 _lock = threading.Lock()
@@ -86,10 +94,11 @@ def _cache_dir() -> Path:
 # Every entry point's arguments, one letter each: p pointer, l int64, i int32, f float32.  All return
 # an int32 status, except cbgen_decoder_layout (declared apart).
 _SIGNATURES = {
-    # q, q_stride, k, v, table, table_stride, table_width, seq_lens, out, B, H, Hkv, D, bs,
+    # q, q_stride, k, v, table, table_stride, table_width, seq_lens, out, B, H, Hkv, D, Dv, bs,
     # num_blocks, scale, window, softcap, dtype, impl
-    "cbgen_paged_decode": "plpppllppliiiilflfii",
-    "cbgen_store_kv": "plplpppllil",
+    "cbgen_paged_decode": "plpppllppliiiiilflfii",
+    # key, its stride, value, its stride, k_cache, v_cache, slots, T, K row, V row, element size, slots
+    "cbgen_store_kv": "plplppplllil",
     "cbgen_add_rmsnorm": "pppplllllfi",
     "cbgen_rope": "ppppliiilli",
     "cbgen_silu_mul": "pppllllli",
@@ -155,17 +164,30 @@ def _compile() -> Path:
         # Build under a temporary name and rename: concurrent processes never see half a library.
         with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
             out = Path(tmp) / target.name
-            proc = subprocess.run(
-                [compiler, *flags, f"-I{_CSRC}", *map(str, _SOURCES), "-o", str(out), "-lm"],
-                capture_output=True,
-                text=True,
-                timeout=120,
-            )
-            if proc.returncode != 0:
-                raise RuntimeError(f"{compiler} failed: {proc.stderr.strip()[-2000:]}")
+            objects = _compile_objects(compiler, flags, Path(tmp))
+            _run([compiler, *flags, "-shared", *map(str, objects), "-o", str(out), "-lm"], compiler)
             os.replace(out, target)
         log.info("cbgen: built CPU paged-attention kernels into %s", target)
     return target
+
+
+def _compile_objects(compiler: str, flags: list[str], into: Path) -> list[Path]:
+    """One object per source, compiled side by side on this machine's cores (the first build's wall
+    time is the largest file's, not the sum)."""
+    objects = [into / (path.stem + ".o") for path in _SOURCES]
+    jobs = [
+        [compiler, *flags, f"-I{_CSRC}", "-c", str(path), "-o", str(obj)]
+        for path, obj in zip(_SOURCES, objects, strict=True)
+    ]
+    with ThreadPoolExecutor(max_workers=max(1, os.cpu_count() or 1)) as pool:
+        list(pool.map(lambda cmd: _run(cmd, compiler), jobs))
+    return objects
+
+
+def _run(cmd: list[str], compiler: str) -> None:
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=_COMPILE_TIMEOUT_S)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{compiler} failed: {proc.stderr.strip()[-2000:]}")
 
 
 def _declare(lib: ctypes.CDLL) -> None:
@@ -249,16 +271,17 @@ def decode_direct(
     loops) or :data:`IMPL_AVX2` (the AVX2 loops even where AVX-512 ones exist), plus
     :data:`IMPL_PREFETCH_L2` for the vector loops to prefetch into L2; tests compare them.  ``out``: a
     contiguous ``[B, H, D]`` tensor to write into (default: a new one)."""
-    check_decode(query, k_cache, v_cache, block_table, seq_lens)
+    check_decode(query, k_cache, v_cache, block_table, seq_lens, mixed=True)
     if query.dtype not in _DTYPES or query.dtype != k_cache.dtype or query.device.type != "cpu":
         raise ValueError(
             f"query and cache must be float32 or bfloat16 CPU tensors of one dtype, got {query.dtype}"
         )
     num_rows, heads, dim = query.shape
+    v_dim = v_cache.shape[-1]
     if out is None:
-        out = torch.empty((num_rows, heads, dim), dtype=query.dtype)
-    elif not out.is_contiguous() or out.shape != query.shape or out.dtype != query.dtype:
-        raise ValueError("out must be a contiguous tensor of the query's shape and dtype")
+        out = torch.empty((num_rows, heads, v_dim), dtype=query.dtype)
+    elif not out.is_contiguous() or out.shape != (num_rows, heads, v_dim) or out.dtype != query.dtype:
+        raise ValueError("out must be a contiguous [B, H, value head size] tensor of the query's dtype")
     rc = _lib.cbgen_paged_decode(
         query.data_ptr(),
         query.stride(0),
@@ -273,6 +296,7 @@ def decode_direct(
         heads,
         k_cache.shape[2],
         dim,
+        v_dim,
         k_cache.shape[1],
         k_cache.shape[0],
         scale,
@@ -298,7 +322,7 @@ def _decode_error(rc: int) -> Exception:
 
 @_decode_op.register_fake
 def _(query, k_cache, v_cache, block_table, seq_lens, scale, window, softcap, impl):
-    return torch.empty_like(query)
+    return query.new_empty((*query.shape[:-1], v_cache.shape[-1]))
 
 
 @torch.library.custom_op("cbgen::cpu_store_kv", mutates_args=("k_cache", "v_cache"))
@@ -311,9 +335,9 @@ def _store_op(
 def store_direct(
     key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor
 ) -> None:
-    """The KV store without the custom-op layer: ``key``/``value`` ``[T, Hkv * D]`` of the cache's
-    dtype (rows contiguous, any row stride), int64 ``slots`` (-1: nowhere)."""
-    check_store(key, value, k_cache, v_cache, slots)
+    """The KV store without the custom-op layer: ``key [T, Hkv * D]`` and ``value [T, Hkv * Dv]``
+    of the cache's dtype (rows contiguous, any row stride), int64 ``slots`` (-1: nowhere)."""
+    check_store(key, value, k_cache, v_cache, slots, mixed=True)
     if key.dtype != k_cache.dtype or value.dtype != k_cache.dtype or k_cache.device.type != "cpu":
         raise ValueError(
             f"key/value ({key.dtype}, {value.dtype}) must have the cache's dtype {k_cache.dtype}"
@@ -329,6 +353,7 @@ def store_direct(
         slots.data_ptr(),
         slots.numel(),
         row,
+        v_cache.shape[-2] * v_cache.shape[-1],
         k_cache.element_size(),
         k_cache.shape[0] * k_cache.shape[1],
     )

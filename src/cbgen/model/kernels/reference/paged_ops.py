@@ -87,7 +87,7 @@ def attend_after_context(
     tests), so the context is not copied once per query head of a group; a torch whose op refuses
     that gets the copies."""
     op = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
-    if op is None or query.device.type != "cpu":
+    if op is None or query.device.type != "cpu" or key.shape[-1] != value.shape[-1]:
         return None
     try:
         past, past_lse = op(query, key[:, :, :ctx_len], value[:, :, :ctx_len], 0.0, False, scale=scale)

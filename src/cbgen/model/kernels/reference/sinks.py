@@ -47,7 +47,7 @@ def paged_sink_attention(
 ) -> torch.Tensor:
     """Attention of every row of the packed step (``q [T, H, D]``, decode rows first, then the
     prefill chunks of ``meta``) over the paged cache, K/V of this step already stored; ``[T, H, D]``."""
-    out = torch.empty_like(q)
+    out = q.new_empty((*q.shape[:-1], v_cache.shape[-1]))
     nd = meta.num_decode
     if nd:
         lens = meta.decode_seq_lens.tolist()

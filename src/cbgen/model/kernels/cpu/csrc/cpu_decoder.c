@@ -26,6 +26,8 @@
 #include <omp.h>
 #include <stdint.h>
 
+#include "cbgen_paged.h"
+
 int cbgen_amx_linear(const uint16_t *x, int64_t xs, const uint16_t *wp, const uint16_t *bias, uint16_t *out,
                      int64_t os, int64_t M, int64_t N, int64_t K);
 int cbgen_panel_gemm(const void *x, int64_t x_stride, const void *packed, int64_t packed_size, const void *bias,
@@ -40,13 +42,6 @@ int cbgen_rope(void *q, void *k, const void *cos, const void *sin, int64_t T, in
                int64_t q_stride, int64_t k_stride, int dtype);
 int cbgen_silu_mul(const void *gate, const void *up, void *out, int64_t rows, int64_t n, int64_t gate_stride,
                    int64_t up_stride, int64_t out_stride, int dtype);
-int cbgen_store_kv(const void *key, int64_t key_stride, const void *value, int64_t value_stride, void *k_cache,
-                   void *v_cache, const int64_t *slot_mapping, int64_t T, int64_t row_elems, int elem_size,
-                   int64_t num_slots);
-int cbgen_paged_decode(const void *q, int64_t q_stride, const void *kc, const void *vc, const int32_t *block_table,
-                       int64_t table_stride, int64_t table_width, const int32_t *seq_lens, void *out, int64_t B,
-                       int H, int Hkv, int D, int bs, int64_t num_blocks, float scale, int64_t window, float softcap,
-                       int dtype, int impl);
 
 #define DECODER_WORDS(X)                                                                                               \
     X(W_QKV) X(B_QKV) X(W_O) X(B_O) X(W_GATE_UP) X(B_GATE_UP) X(W_DOWN) X(B_DOWN) X(POST_NORM) X(NEXT_NORM) X(K_CACHE)  \
@@ -129,10 +124,10 @@ int cbgen_decoder_step(const int64_t *layers, const float *floats, int n_layers,
         const float *f = floats + (int64_t)l * LAYER_FLOATS;
         TRY(1, project(x, E, w[W_QKV], w[B_QKV], qkv, nqkv, T, nqkv, E, dtype, gemm));
         TRY(2, cbgen_rope(q, k, cos, sin, T, H, Hkv, D, nqkv, nqkv, dtype));
-        TRY(3, cbgen_store_kv(k, nqkv, v, nqkv, PTR(w[K_CACHE]), PTR(w[V_CACHE]), slots, T, kd, esize,
+        TRY(3, cbgen_store_kv(k, nqkv, v, nqkv, PTR(w[K_CACHE]), PTR(w[V_CACHE]), slots, T, kd, kd, esize,
                               num_blocks * block_size));
         TRY(4, cbgen_paged_decode(q, nqkv, PTR(w[K_CACHE]), PTR(w[V_CACHE]), table, table_stride, table_width,
-                                  seq_lens, attn, T, H, Hkv, D, block_size, num_blocks, f[SCALE], w[WINDOW], 0.0f,
+                                  seq_lens, attn, T, H, Hkv, D, D, block_size, num_blocks, f[SCALE], w[WINDOW], 0.0f,
                                   dtype, attn_impl));
         TRY(5, project(attn, qd, w[W_O], w[B_O], delta, E, T, E, qd, dtype, gemm));
         TRY(6, cbgen_add_rmsnorm(hidden, delta, PTR(w[POST_NORM]), x, T, E, E, E, E, f[POST_EPS], dtype));

@@ -11,11 +11,13 @@
  *
  * Layouts (contiguous unless a stride is passed):
  *   q              [B, H, D], rows q_stride elements apart
- *   out            [B, H, D]
- *   k/v cache      [num_blocks, block_size, Hkv, D]
+ *   out            [B, H, Dv]
+ *   k cache        [num_blocks, block_size, Hkv, D]
+ *   v cache        [num_blocks, block_size, Hkv, Dv] (Dv != D: latent attention's expanded keys and
+ *                  values; only the portable loops take that)
  *   block_table    [B, table_stride] int32
  *   seq_lens       [B] int32, context length including the new token
- *   key/value      [T, Hkv, D], rows key_stride/value_stride apart (store), slot_mapping [T] int64,
+ *   key/value      [T, Hkv, D] / [T, Hkv, Dv], rows key_stride/value_stride apart (store), slot_mapping [T] int64,
  *                  -1 = write nowhere
  * dtype: 0 = float32, 1 = bfloat16.
  */
@@ -26,6 +28,7 @@
 #include <string.h>
 
 #include "cbgen_numerics.h"
+#include "cbgen_paged.h"
 
 /* A run of n elements of the cache or query as float32: in place for float32, converted into buf
  * for bfloat16. */
@@ -46,11 +49,11 @@ static inline const float *as_f32(const void *base, int64_t off, int n, int dtyp
  * context can be merged (merge_parts).  Tokens are walked block by block, and every head of a token
  * is read in one contiguous run, so the cache streams in order. */
 static void decode_task(const void *q, int64_t qs, const void *kc, const void *vc, const int32_t *table, int64_t j0,
-                        int64_t j1, int64_t b, int h0, int h1, int H, int Hkv, int D, int bs, float scale,
+                        int64_t j1, int64_t b, int h0, int h1, int H, int Hkv, int D, int Dv, int bs, float scale,
                         float softcap, int dtype, float *part, float *ws, int64_t cap) {
     const int G = H / Hkv, nh = h1 - h0, R = nh * G; /* R query heads in this task */
-    const int64_t tok_stride = (int64_t)Hkv * D;
-    float *qf = ws, *rowbuf = qf + (size_t)R * D, *scores = rowbuf + (size_t)nh * D;
+    const int Dm = D > Dv ? D : Dv;
+    float *qf = ws, *rowbuf = qf + (size_t)R * D, *scores = rowbuf + (size_t)nh * Dm;
     float *acc = part + 2 * R;
     const float *qsrc = as_f32(q, b * qs + (int64_t)h0 * G * D, R * D, dtype, qf);
     for (int i = 0; i < R * D; ++i) qf[i] = qsrc[i] * scale;
@@ -59,16 +62,18 @@ static void decode_task(const void *q, int64_t qs, const void *kc, const void *v
 
     for (int pass = 0; pass < 2; ++pass) {
         const void *cache = pass == 0 ? kc : vc;
-        if (pass == 1) memset(acc, 0, sizeof(float) * (size_t)R * D);
+        const int W = pass == 0 ? D : Dv; /* this pass's head size */
+        const int64_t tok_stride = (int64_t)Hkv * W;
+        if (pass == 1) memset(acc, 0, sizeof(float) * (size_t)R * Dv);
         for (int64_t j = j0; j < j1;) {
             const int64_t off = j % bs, cnt = (bs - off) < (j1 - j) ? (bs - off) : (j1 - j);
-            const int64_t first = ((int64_t)table[j / bs] * bs + off) * tok_stride + (int64_t)h0 * D;
+            const int64_t first = ((int64_t)table[j / bs] * bs + off) * tok_stride + (int64_t)h0 * W;
             for (int64_t t = 0; t < cnt; ++t, ++j) {
-                const float *row = as_f32(cache, first + t * tok_stride, nh * D, dtype, rowbuf);
+                const float *row = as_f32(cache, first + t * tok_stride, nh * W, dtype, rowbuf);
                 /* Nested over (kv head, query head of its group): an r / G here costs a division per
                  * head and token, which was most of the kernel's time. */
                 for (int r = 0; r < R; ++r) {
-                    const float *x = row + (int64_t)kv_of[r] * D;
+                    const float *x = row + (int64_t)kv_of[r] * W;
                     if (pass == 0) {
                         const float *qr = qf + (size_t)r * D;
                         float s = 0.f;
@@ -78,9 +83,9 @@ static void decode_task(const void *q, int64_t qs, const void *kc, const void *v
                         scores[(size_t)r * cap + (j - j0)] = s;
                     } else {
                         const float p = scores[(size_t)r * cap + (j - j0)];
-                        float *ar = acc + (size_t)r * D;
+                        float *ar = acc + (size_t)r * Dv;
 #pragma omp simd
-                        for (int d = 0; d < D; ++d) ar[d] += p * x[d];
+                        for (int d = 0; d < Dv; ++d) ar[d] += p * x[d];
                     }
                 }
             }
@@ -653,16 +658,18 @@ static void merge_parts(const float *parts, int64_t chunks, int R, int D, int64_
  * cache. */
 int cbgen_paged_decode(const void *q, int64_t q_stride, const void *kc, const void *vc, const int32_t *block_table,
                        int64_t table_stride, int64_t table_width, const int32_t *seq_lens, void *out, int64_t B,
-                       int H, int Hkv, int D, int bs, int64_t num_blocks, float scale, int64_t window, float softcap,
-                       int dtype, int impl) {
+                       int H, int Hkv, int D, int Dv, int bs, int64_t num_blocks, float scale, int64_t window,
+                       float softcap, int dtype, int impl) {
     if (Hkv <= 0 || H % Hkv != 0 || dtype < 0 || dtype > 1 || H > 512 || D <= 0 || D > 2048 || bs <= 0) return 1;
+    if (Dv <= 0 || Dv > 2048) return 1;
     if (impl < 0 || impl > 7 || (impl & 3) == 3) return 1;
     if (!tables_in_range(block_table, table_stride, table_width, seq_lens, B, bs, num_blocks)) return 4;
     const int l2 = (impl & 4) != 0;
     impl &= 3;
     (void)l2;
-    const int fast = CB_HAVE_FAST && impl == 0 && D % 16 == 0 && D <= 256;
-    const int avx2 = CB_HAVE_AVX2 && (impl == 0 || impl == 2) && !fast && D % 8 == 0 && D <= 256;
+    /* The vector loops take one head size for keys and values; other pairs run the portable loops. */
+    const int fast = CB_HAVE_FAST && impl == 0 && D % 16 == 0 && D <= 256 && Dv == D;
+    const int avx2 = CB_HAVE_AVX2 && (impl == 0 || impl == 2) && !fast && D % 8 == 0 && D <= 256 && Dv == D;
     (void)fast, (void)avx2; /* unused in builds without the vector loops */
     int64_t longest = 1; /* the longest attended context */
     for (int64_t b = 0; b < B; ++b) {
@@ -684,13 +691,14 @@ int cbgen_paged_decode(const void *q, int64_t q_stride, const void *kc, const vo
     int64_t chunks = units >= want ? 1 : (want + units - 1) / units;
     if (chunks > longest / MIN_CHUNK) chunks = longest / MIN_CHUNK > 0 ? longest / MIN_CHUNK : 1;
     const int64_t cap = (longest + chunks - 1) / chunks; /* the score buffer's row length */
-    const int64_t stride = (int64_t)R * (D + 2);          /* one task's part: maxima, sums, values */
+    const int64_t stride = (int64_t)R * (Dv + 2);         /* one task's part: maxima, sums, values */
+    const int Dm = D > Dv ? D : Dv;
     float *parts = (float *)malloc(sizeof(float) * (size_t)(units * chunks * stride));
     if (!parts) return 3;
     int failed = 0;
 #pragma omp parallel
     {
-        float *ws = (float *)malloc(sizeof(float) * ((size_t)R * (2 * D + cap) + (size_t)per * D));
+        float *ws = (float *)malloc(sizeof(float) * ((size_t)R * (2 * Dm + cap) + (size_t)per * Dm));
         if (!ws) {
 #pragma omp atomic write
             failed = 1;
@@ -723,8 +731,8 @@ int cbgen_paged_decode(const void *q, int64_t q_stride, const void *kc, const vo
                 continue;
             }
 #endif
-            decode_task(q, q_stride, kc, vc, table, j0, j1, b, h0, h0 + per, H, Hkv, D, bs, scale, softcap, dtype,
-                        part, ws, cap);
+            decode_task(q, q_stride, kc, vc, table, j0, j1, b, h0, h0 + per, H, Hkv, D, Dv, bs, scale, softcap,
+                        dtype, part, ws, cap);
         }
         free(ws);
     }
@@ -732,27 +740,27 @@ int cbgen_paged_decode(const void *q, int64_t q_stride, const void *kc, const vo
 #pragma omp parallel for schedule(static)
         for (int64_t u = 0; u < units; ++u) {
             const int64_t b = u / split, h0 = (u % split) * per;
-            merge_parts(parts + u * chunks * stride, chunks, R, D, stride, dtype, out, (b * H + h0 * G) * D);
+            merge_parts(parts + u * chunks * stride, chunks, R, Dv, stride, dtype, out, (b * H + h0 * G) * Dv);
         }
     }
     free(parts);
     return failed ? 3 : 0;
 }
 
-/* Copies each token's keys and values ([Hkv * D] contiguous elements; rows `*_stride` elements apart)
- * into its slot (-1: nowhere).  Returns 2, writing nothing, if a slot lies outside the cache's
- * num_slots. */
+/* Copies each token's keys ([Hkv * D] contiguous elements) and values ([Hkv * Dv]; rows `*_stride`
+ * elements apart) into its slot (-1: nowhere).  Returns 2, writing nothing, if a slot lies outside
+ * the cache's num_slots. */
 int cbgen_store_kv(const void *key, int64_t key_stride, const void *value, int64_t value_stride, void *k_cache,
-                   void *v_cache, const int64_t *slot_mapping, int64_t T, int64_t row_elems, int elem_size,
-                   int64_t num_slots) {
+                   void *v_cache, const int64_t *slot_mapping, int64_t T, int64_t row_elems, int64_t v_row_elems,
+                   int elem_size, int64_t num_slots) {
     for (int64_t t = 0; t < T; ++t)
         if (slot_mapping[t] < -1 || slot_mapping[t] >= num_slots) return 2;
-    const size_t row_bytes = (size_t)row_elems * elem_size;
+    const size_t k_bytes = (size_t)row_elems * elem_size, v_bytes = (size_t)v_row_elems * elem_size;
     for (int64_t t = 0; t < T; ++t) {
         const int64_t slot = slot_mapping[t];
         if (slot < 0) continue;
-        memcpy((char *)k_cache + slot * row_bytes, (const char *)key + t * key_stride * elem_size, row_bytes);
-        memcpy((char *)v_cache + slot * row_bytes, (const char *)value + t * value_stride * elem_size, row_bytes);
+        memcpy((char *)k_cache + slot * k_bytes, (const char *)key + t * key_stride * elem_size, k_bytes);
+        memcpy((char *)v_cache + slot * v_bytes, (const char *)value + t * value_stride * elem_size, v_bytes);
     }
     return 0;
 }

@@ -1,0 +1,162 @@
+"""Models whose layers cache keys and values of their own shapes, through the real engine, held to
+``generate()`` by the oracle: latent attention (keys and values of different head sizes), Gemma 4
+(per-layer head sizes, K = V layers, KV-shared layers, a window shorter than the prompts), MiMo
+(different K/V sizes with sinks and a sliding layer) and JetMoE (tiled KV heads), one tiny model
+each (tests/tiny_models.py KV_SHAPE_KINDS), under random budgets, prefix hits, forks and
+preemption."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from cbgen import LLM, SamplingParams
+from cbgen.model.plan import cache_layout
+from oracle import FP32, compare, hf_greedy
+from tiny_models import KV_SHAPE_KINDS, make_kv_shape_model
+
+KINDS = sorted(KV_SHAPE_KINDS)
+GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+_MODELS: dict[str, torch.nn.Module] = {}
+
+
+def _model(kind: str) -> torch.nn.Module:
+    if kind not in _MODELS:
+        _MODELS[kind] = make_kv_shape_model(kind)
+    return _MODELS[kind]
+
+
+def _prompts(lengths, seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, 500, (n,), generator=g).tolist() for n in lengths]
+
+
+def _tokens(outputs) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in outputs]
+
+
+def _all_free(llm: LLM) -> None:
+    assert all(p.num_used_blocks == 0 for p in llm.engine.scheduler.block_manager.pools)
+
+
+def test_the_layouts_are_what_attention_receives():
+    """Each model's cache holds the shapes its attention calls get, not the config's head_dim (the
+    rope dimension on latent attention), and KV-shared layers own no cache."""
+    want = {
+        "mla": ({(4, 40, 16): (0, 1, 2)}, ()),
+        "gemma4": ({(2, 16, 16): (0, 2), (2, 32, 32): (1,)}, ((3, 2), (4, 1))),
+        "mimo": ({(2, 24, 16): (0, 2), (4, 24, 16): (1,)}, ()),
+        "jetmoe": ({(4, 16, 16): (0, 1)}, ()),
+    }
+    for kind in KINDS:
+        layout = cache_layout(_model(kind), torch.float32, 8)
+        (group,) = layout.kv_groups
+        assert (group.shapes, layout.shared) == want[kind], kind
+    gemma = cache_layout(_model("gemma4"), torch.float32, 8)
+    # Bytes a token: layers 0 and 2 at 2 x (16 + 16), layer 1 at 2 x (32 + 32), 4 bytes each.
+    assert gemma.kv_groups[0].bytes_per_block() == 8 * 4 * (2 * 2 * 32 + 2 * 64)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_greedy_equals_generate_under_random_budgets(kind):
+    """Chunked prefill under random budgets and block sizes, prompts from shorter than a block to
+    longer than Gemma 4's and MiMo's window, mixed prefill and decode rows in the steps."""
+    model = _model(kind)
+    rng = random.Random(kind)
+    prompts = _prompts([3, 9, 40, 70], seed=1)
+    refs = [hf_greedy(model, p, GREEDY.max_tokens) for p in prompts]
+    for _ in range(2):
+        budget, block = rng.choice([7, 16, 33, 100]), rng.choice([4, 8, 16])
+        llm = LLM(model, max_num_batched_tokens=budget, block_size=block, max_num_seqs=4)
+        got = _tokens(llm.generate(prompts, GREEDY, use_tqdm=False))
+        compare(model, prompts, got, refs, FP32)
+        _all_free(llm)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_prefix_hits_are_exact(kind):
+    """The same prompt twice hits; prompts sharing an aligned and an unaligned prefix hit; a prompt
+    shorter than a block works; all exact (a KV-shared layer reads its producer's cached pages)."""
+    model = _model(kind)
+    llm = LLM(model, max_num_batched_tokens=16, block_size=8)
+    base = _prompts([29], seed=2)[0]
+    tail = _prompts([6], seed=3)[0]
+    prompts = [base, base, base[:16] + tail, base[:19] + tail, tail[:3]]
+    refs = [hf_greedy(model, p, GREEDY.max_tokens) for p in prompts]
+    got, hits = [], []
+    for p in prompts:
+        before = llm.stats.prefix_cache_hits
+        got += _tokens(llm.generate([p], GREEDY, use_tqdm=False))
+        hits.append(llm.stats.prefix_cache_hits - before)
+    compare(model, prompts, got, refs, FP32)
+    assert hits[0] == 0 and hits[1] >= 24 and hits[2] >= 16 and hits[3] >= 16 and hits[4] == 0, hits
+    _all_free(llm)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_n_samples_share_one_prefill(kind):
+    """n > 1 forks after one prefill: greedy samples all equal generate(); seeded samples equal the
+    same request whose samples each compute the prompt."""
+    model = _model(kind)
+    prompt = _prompts([45], seed=4)[0]
+    ref = hf_greedy(model, prompt, 10)
+    llm = LLM(model, max_num_batched_tokens=32, block_size=8)
+    out = llm.generate([prompt], SamplingParams(n=4, max_tokens=10, temperature=0.0, ignore_eos=True))
+    assert [c.token_ids for c in out[0].outputs] == [ref] * 4
+    seeded = SamplingParams(n=3, max_tokens=10, temperature=1.0, top_p=0.9, seed=7, ignore_eos=True)
+    forked = [c.token_ids for c in llm.generate([prompt], seeded, use_tqdm=False)[0].outputs]
+    alone = LLM(model, max_num_batched_tokens=32, block_size=8, max_num_seqs=1, enable_prefix_caching=False)
+    recomputed = [c.token_ids for c in alone.generate([prompt], seeded, use_tqdm=False)[0].outputs]
+    assert forked == recomputed
+    assert len({tuple(t) for t in forked}) > 1
+    _all_free(llm)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_preemption_then_resume_is_exact(kind):
+    """A pool too small for every sequence preempts; resumed sequences recompute and stay exact."""
+    model = _model(kind)
+    prompts = _prompts([30, 34, 38, 42], seed=5)
+    params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+    refs = [hf_greedy(model, p, 20) for p in prompts]
+    llm = LLM(model, max_num_batched_tokens=64, block_size=8, num_blocks=16, max_num_seqs=4)
+    got = _tokens(llm.generate(prompts, params, use_tqdm=False))
+    assert llm.stats.preemptions > 0
+    compare(model, prompts, got, refs, FP32)
+    _all_free(llm)
+
+
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
+def test_latent_attention_through_each_cpu_backend(backend):
+    """The C backend attends layers whose key and value sizes differ through the torch reference
+    (its kernels take one size); both backends give generate()'s tokens."""
+    model = _model("mla")
+    prompts = _prompts([5, 27, 50], seed=6)
+    refs = [hf_greedy(model, p, GREEDY.max_tokens) for p in prompts]
+    llm = LLM(model, max_num_batched_tokens=24, block_size=8, attention_backend=backend)
+    assert llm.engine.runner.attn_backend.name == backend
+    compare(model, prompts, _tokens(llm.generate(prompts, GREEDY, use_tqdm=False)), refs, FP32)
+
+
+def test_parity_mode_refuses_latent_attention_with_the_reason():
+    with pytest.raises(ValueError, match="keys of head size 40 and values of 16"):
+        LLM(_model("mla"), batch_invariant=True)
+
+
+def test_info_shows_the_shapes_and_shared_layers():
+    text = LLM(_model("gemma4"), block_size=8).engine.runner.plan.report()  # what `cbgen info` prints
+    assert "2 layers (0, 2): 2 KV heads x K 16 / V 16; layer 1: 2 KV heads x K 32 / V 32" in text
+    assert "layer 3 reads layer 2's KV; layer 4 reads layer 1's KV" in text
+    assert "2688 bytes of KV a token" in LLM(_model("mla"), block_size=8).engine.runner.plan.report()
+
+
+def test_generation_leaves_the_model_as_it_was():
+    """No attention implementation, module or parameter of the user's model changes."""
+    model = _model("gemma4")
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    impl = model.config._attn_implementation
+    LLM(model, block_size=8).generate([[5, 6, 7]], GREEDY, use_tqdm=False)
+    assert model.config._attn_implementation == impl
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
