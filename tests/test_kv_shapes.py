@@ -145,6 +145,24 @@ def test_parity_mode_refuses_latent_attention_with_the_reason():
         LLM(_model("mla"), batch_invariant=True)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("kind", ["gemma4", "jetmoe"])
+def test_parity_mode_is_bitwise_with_per_layer_shapes(kind, dtype):
+    """Per-layer head sizes, K = V layers and KV-shared layers (Gemma 4) and tiled heads (JetMoE):
+    every generated token's raw logprob equals the trainer's forward bit for bit, through
+    preemption, prefix hits and an abort."""
+    from test_parity import _workload_prompts, mismatches, run_workload
+
+    model = make_kv_shape_model(kind, dtype=dtype)
+    llm = LLM(model, block_size=8, num_blocks=12, max_num_batched_tokens=40, batch_invariant=True)
+    prompts = _workload_prompts(random.Random(1), 16, model.config.vocab_size)
+    samples = run_workload(llm, prompts[:6], 3) + run_workload(llm, prompts, 4)
+    stats = llm.engine.stats
+    assert stats.preemptions > 0 and stats.prefix_cache_hits > 0 and stats.requests_aborted > 0, stats
+    bad, total = mismatches(model, samples)
+    assert total >= 100 and bad == 0, (bad, total)
+
+
 def test_info_shows_the_shapes_and_shared_layers():
     text = LLM(_model("gemma4"), block_size=8).engine.runner.plan.report()  # what `cbgen info` prints
     assert "2 layers (0, 2): 2 KV heads x K 16 / V 16; layer 1: 2 KV heads x K 32 / V 32" in text

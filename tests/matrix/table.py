@@ -48,6 +48,16 @@ below the switch; `tests/model/test_rotary_lengths.py` crosses it: a Phi-3 longr
 forward), a wide Llama with longrope (fused forward) and a Llama with dynamic NTK, switching at 32
 tokens, decoding past it in mixed batches with chunked prefill, prefix-cache hits and preemption,
 each request equal to `generate()` on it alone.
+
+Each layer caches the keys and values its attention call receives, read from one recorded forward
+at engine start (`cbgen.model.kv_shapes`), not the config's `head_dim`: latent attention (DeepSeek
+V2/V3, GLM-4.7-Flash, MiniCPM3, Kimi-Linear, ...) caches its expanded keys and values, of two head
+sizes; Gemma 4 its 256- and 512-wide layers, with its KV-shared layers reading their producer's
+pages; JetMoE its tiled heads.  The matrix's tiny Gemma 4 has neither KV-shared layers nor K = V
+layers; `tests/test_kv_shapes.py` runs one that has both, with a window shorter than its prompts,
+and latent attention, MiMo and JetMoE, under chunked prefill, prefix hits, n > 1 and preemption.
+The Gemma 4 assistants are drafters that take another model's embeddings and KV states, not token
+ids, and are refused with that reason.
 """
 
 

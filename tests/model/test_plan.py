@@ -81,7 +81,19 @@ def test_tiny_llama_on_the_cpu(dtype) -> None:
         row.split()[0] + (" " + row.split()[1] if row.split()[0] == "GEMM" else "") for row in report[1:]
     ]
     # "decode loops": the tests pin the widest (conftest); test_decode_loops.py covers the measurement.
-    assert labels[:6] == ["attention", "decode", "forward", "GEMM single", "GEMM decode", "GEMM prefill"]
+    assert labels[:7] == [
+        "attention",
+        "decode",
+        "forward",
+        "cache",
+        "GEMM single",
+        "GEMM decode",
+        "GEMM prefill",
+    ]
+    assert (
+        f"cache {512 // (4 // plan.dtype.itemsize)} bytes of KV a token (kv, layers 0-1: 2 KV heads x K 16"
+        in line
+    )
     assert "decode loops widest (CBGEN_DECODE_LOOPS)" in line
     assert _plan(model).gemms.source == "cache"
 

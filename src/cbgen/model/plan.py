@@ -171,12 +171,13 @@ class ExecutionPlan:
         if self.cache.state_groups:
             # State models: what each sequence holds beyond its KV blocks (cbgen.model.state_cache).
             per_seq = self.cache.bytes_per_slot() / 2**20
-            entries.append(("cache", f"{per_seq:.2f} MiB of state a sequence", self.cache.describe()))
-        else:
-            entries.append(("cache", f"{kv_per_token} bytes of KV a token", self.cache.describe()))
+            choice = f"{kv_per_token} bytes of KV a token, {per_seq:.2f} MiB of state a sequence"
+            entries.append(("cache", choice, self.cache.describe()))
             if self.state_kernels_why:
                 kernels = "C" if self.state_kernels else "torch"
                 entries.append(("state kernels", kernels, self.state_kernels_why))
+        else:
+            entries.append(("cache", f"{kv_per_token} bytes of KV a token", self.cache.describe()))
         if self.forward == "fused" or (self.cache.state_groups and self.gemms is not None):
             entries += self._gemm_entries(per_class)
         if self.forward == "fused":
