@@ -7,7 +7,7 @@ are real text; nothing is downloaded:
   attention 3:1, 16 DeltaNet heads of 128, 8 attention heads of 256 over 2 KV heads);
 * ``deepseek-v2-lite``: DeepSeek-V2-Lite's latent attention (hidden 2048, 16 heads, latent 512 +
   rope 64, keys 128 + 64, values 128) over 8 layers with a dense MLP of 2816 instead of 27 layers of
-  64 experts (548M parameters against 15.7B, so it runs on a 2-core machine).
+  64 experts (349M parameters against 15.7B, so it runs on a 2-core machine).
 
 ::
 
