@@ -140,6 +140,48 @@ def test_latent_attention_through_each_cpu_backend(backend):
     compare(model, prompts, _tokens(llm.generate(prompts, GREEDY, use_tqdm=False)), refs, FP32)
 
 
+def test_latent_attention_through_the_triton_backend_goes_to_the_reference():
+    """The Triton kernels take one head size: the plan sends latent attention's layers to the torch
+    reference, decodes eagerly, says so, and the tokens equal generate() (the interpreter on CPU)."""
+    from extras import require_extra
+
+    require_extra("triton")
+    model = _model("mla")
+    prompts = _prompts([5, 27], seed=8)
+    llm = LLM(model, block_size=8, attention_backend="triton", max_num_batched_tokens=24)
+    plan = llm.engine.runner.plan
+    assert plan.decode_mode == "eager" and "through the torch reference" in plan.attention_why
+    refs = [hf_greedy(model, p, 6) for p in prompts]
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    compare(model, prompts, _tokens(llm.generate(prompts, params, use_tqdm=False)), refs, FP32)
+
+
+def test_kimi_linear_latent_attention_beside_state_layers():
+    """Kimi-Linear: KDA state layers and a latent-attention layer (keys 32, values 16 in the matrix's
+    tiny config), under random budgets, n > 1 and preemption, equal to generate()."""
+    from tiny_models import _shrink
+
+    model = _shrink().build_model("kimi_linear")
+    layout = cache_layout(model, torch.float32, 8)
+    assert not layout.kv_groups[0].uniform_head_sizes and layout.state_groups
+    prompts = _prompts([9, 40, 70], seed=9)
+    refs = [hf_greedy(model, p, 10) for p in prompts]
+    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    llm = LLM(model, max_num_batched_tokens=7, block_size=8, max_num_seqs=3)
+    compare(model, prompts, _tokens(llm.generate(prompts, params, use_tqdm=False)), refs, FP32)
+    out = llm.generate([prompts[1]], SamplingParams(n=3, max_tokens=10, temperature=0.0, ignore_eos=True))
+    assert [c.token_ids for c in out[0].outputs] == [refs[1]] * 3
+    _all_free(llm)
+    # A pool too small for all four: preempted and recomputed, still exact.
+    prompts = _prompts([30, 34, 38, 42], seed=5)
+    params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+    refs = [hf_greedy(model, p, 20) for p in prompts]
+    llm = LLM(model, max_num_batched_tokens=64, block_size=8, num_blocks=16, max_num_seqs=4)
+    compare(model, prompts, _tokens(llm.generate(prompts, params, use_tqdm=False)), refs, FP32)
+    assert llm.stats.preemptions > 0
+    _all_free(llm)
+
+
 def test_parity_mode_refuses_latent_attention_with_the_reason():
     with pytest.raises(ValueError, match="keys of head size 40 and values of 16"):
         LLM(_model("mla"), batch_invariant=True)
