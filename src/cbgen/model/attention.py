@@ -370,8 +370,8 @@ def paged_attention_forward(
         raise ValueError(
             f"{type(module).__name__} (layer {layer_idx}) makes keys of {tuple(k.shape[1:])} and "
             f"values of {tuple(v.shape[1:])} (KV heads, head size) per token, and its KV cache holds "
-            f"{tuple(k_cache.shape[2:])} and {tuple(v_cache.shape[2:])}: the shapes changed since the "
-            "engine read them at start"
+            f"{tuple(k_cache.shape[2:])} and {tuple(v_cache.shape[2:])}: the cache was sized for other "
+            "shapes (read from the config under tensor parallelism, else from a forward at engine start)"
         )
     if k_cache.shape[-1] != v_cache.shape[-1] and not backend.mixed_head_sizes:
         backend = _REFERENCE

@@ -1,6 +1,6 @@
 """The cache a model needs, as groups of layers: the execution plan's ``cache`` (its layout).
 
-A group is a set of layers whose cache entries share one shape:
+A group is a set of layers cached together:
 
 * ``kv``: paged keys and values per token, with its own KV heads, key head size, value head size
   (they may differ: latent attention) and block size; one block pool each
@@ -20,7 +20,8 @@ Layers that read another layer's keys and values instead of writing their own be
 and are listed in ``shared`` (reader, producer).
 
 Attention-only models have one ``kv`` group over all their layers, with the shapes each layer's
-attention receives (:mod:`cbgen.model.kv_shapes`; under tensor parallelism, what the config says).  Models with linear-attention, state-space or convolution layers have one ``kv`` group over
+attention receives (:mod:`cbgen.model.kv_shapes`; under tensor parallelism, what the config says).
+Models with linear-attention, state-space or convolution layers have one ``kv`` group over
 their attention layers (possibly none: a pure state-space model's kv group holds no layer, and its
 blocks only count tokens) and one ``state`` group per named state
 (:func:`cbgen.model.state_cache.state_layout`).  The scheduler, block pools, input builder and KV
