@@ -21,20 +21,12 @@ import time
 
 import torch
 import transformers
+from shaped_model import DEEPSEEK_V2_LITE_ATTENTION  # benchmarks/: this script's own folder
 
 from cbgen.model.plan import cache_layout
 
-# DeepSeek-V2-Lite's attention: 27 layers, 16 heads, latent 512 + rope 64, keys 128 + 64, values 128.
-DEEPSEEK_V2_LITE = dict(
-    num_hidden_layers=27,
-    num_attention_heads=16,
-    num_key_value_heads=16,
-    kv_lora_rank=512,
-    q_lora_rank=None,
-    qk_nope_head_dim=128,
-    qk_rope_head_dim=64,
-    v_head_dim=128,
-)
+# DeepSeek-V2-Lite's attention over its 27 layers.
+DEEPSEEK_V2_LITE = dict(num_hidden_layers=27, **DEEPSEEK_V2_LITE_ATTENTION)
 # Gemma-4-E2B's attention as assumed here: 35 layers, 8 query heads over 1 KV head, 256-wide sliding
 # and 512-wide full layers (4 sliding : 1 full), the last 20 layers reading earlier layers' KV.
 GEMMA4_E2B = dict(

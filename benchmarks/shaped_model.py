@@ -31,6 +31,19 @@ def _tokenizer():
     return load_bench_model("smollm2", "float32", "cpu")[1]
 
 
+# DeepSeek-V2-Lite's attention (27 layers in the published model): 16 heads, latent 512 + rope 64,
+# keys 128 + 64 and values 128 per head.  benchmarks/kv_layouts.py sizes its cache from it too.
+DEEPSEEK_V2_LITE_ATTENTION = dict(
+    num_attention_heads=16,
+    num_key_value_heads=16,
+    kv_lora_rank=512,
+    q_lora_rank=None,
+    qk_nope_head_dim=128,
+    qk_rope_head_dim=64,
+    v_head_dim=128,
+)
+
+
 def build_deepseek(layers: int = 8, seed: int = 0):
     """The random DeepSeek-V2-Lite-attention model (float32) and its tokenizer."""
     tokenizer = _tokenizer()
@@ -40,13 +53,7 @@ def build_deepseek(layers: int = 8, seed: int = 0):
         intermediate_size=2816,
         num_hidden_layers=layers,
         first_k_dense_replace=layers,  # every layer dense
-        num_attention_heads=16,
-        num_key_value_heads=16,
-        kv_lora_rank=512,
-        q_lora_rank=None,
-        qk_nope_head_dim=128,
-        qk_rope_head_dim=64,
-        v_head_dim=128,
+        **DEEPSEEK_V2_LITE_ATTENTION,
         max_position_embeddings=8192,
         tie_word_embeddings=True,
         bos_token_id=tokenizer.bos_token_id,

@@ -14,11 +14,14 @@ import torch
 
 from cbgen import LLM, SamplingParams
 from cbgen.model.plan import cache_layout
+from engine_cases import GREEDY, check_forks, check_preemption, check_random_budgets, one_by_one
+from engine_cases import all_free as _all_free
+from engine_cases import first_tokens as _tokens
+from engine_cases import prompts as _prompts
 from oracle import FP32, compare, hf_greedy
 from tiny_models import KV_SHAPE_KINDS, make_kv_shape_model
 
 KINDS = sorted(KV_SHAPE_KINDS)
-GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 _MODELS: dict[str, torch.nn.Module] = {}
 
 
@@ -26,19 +29,6 @@ def _model(kind: str) -> torch.nn.Module:
     if kind not in _MODELS:
         _MODELS[kind] = make_kv_shape_model(kind)
     return _MODELS[kind]
-
-
-def _prompts(lengths, seed: int = 0) -> list[list[int]]:
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(3, 500, (n,), generator=g).tolist() for n in lengths]
-
-
-def _tokens(outputs) -> list[list[int]]:
-    return [o.outputs[0].token_ids for o in outputs]
-
-
-def _all_free(llm: LLM) -> None:
-    assert all(p.num_used_blocks == 0 for p in llm.engine.scheduler.block_manager.pools)
 
 
 def test_the_layouts_are_what_attention_receives():
@@ -63,16 +53,7 @@ def test_the_layouts_are_what_attention_receives():
 def test_greedy_equals_generate_under_random_budgets(kind):
     """Chunked prefill under random budgets and block sizes, prompts from shorter than a block to
     longer than Gemma 4's and MiMo's window, mixed prefill and decode rows in the steps."""
-    model = _model(kind)
-    rng = random.Random(kind)
-    prompts = _prompts([3, 9, 40, 70], seed=1)
-    refs = [hf_greedy(model, p, GREEDY.max_tokens) for p in prompts]
-    for _ in range(2):
-        budget, block = rng.choice([7, 16, 33, 100]), rng.choice([4, 8, 16])
-        llm = LLM(model, max_num_batched_tokens=budget, block_size=block, max_num_seqs=4)
-        got = _tokens(llm.generate(prompts, GREEDY, use_tqdm=False))
-        compare(model, prompts, got, refs, FP32)
-        _all_free(llm)
+    check_random_budgets(_model(kind), kind, [3, 9, 40, 70])
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -85,11 +66,7 @@ def test_prefix_hits_are_exact(kind):
     tail = _prompts([6], seed=3)[0]
     prompts = [base, base, base[:16] + tail, base[:19] + tail, tail[:3]]
     refs = [hf_greedy(model, p, GREEDY.max_tokens) for p in prompts]
-    got, hits = [], []
-    for p in prompts:
-        before = llm.stats.prefix_cache_hits
-        got += _tokens(llm.generate([p], GREEDY, use_tqdm=False))
-        hits.append(llm.stats.prefix_cache_hits - before)
+    got, hits = one_by_one(llm, prompts)
     compare(model, prompts, got, refs, FP32)
     assert hits[0] == 0 and hits[1] >= 24 and hits[2] >= 16 and hits[3] >= 16 and hits[4] == 0, hits
     _all_free(llm)
@@ -97,35 +74,14 @@ def test_prefix_hits_are_exact(kind):
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_n_samples_share_one_prefill(kind):
-    """n > 1 forks after one prefill: greedy samples all equal generate(); seeded samples equal the
-    same request whose samples each compute the prompt."""
-    model = _model(kind)
-    prompt = _prompts([45], seed=4)[0]
-    ref = hf_greedy(model, prompt, 10)
-    llm = LLM(model, max_num_batched_tokens=32, block_size=8)
-    out = llm.generate([prompt], SamplingParams(n=4, max_tokens=10, temperature=0.0, ignore_eos=True))
-    assert [c.token_ids for c in out[0].outputs] == [ref] * 4
-    seeded = SamplingParams(n=3, max_tokens=10, temperature=1.0, top_p=0.9, seed=7, ignore_eos=True)
-    forked = [c.token_ids for c in llm.generate([prompt], seeded, use_tqdm=False)[0].outputs]
-    alone = LLM(model, max_num_batched_tokens=32, block_size=8, max_num_seqs=1, enable_prefix_caching=False)
-    recomputed = [c.token_ids for c in alone.generate([prompt], seeded, use_tqdm=False)[0].outputs]
-    assert forked == recomputed
-    assert len({tuple(t) for t in forked}) > 1
-    _all_free(llm)
+    """n > 1 forks after one prefill (engine_cases.check_forks)."""
+    check_forks(_model(kind))
 
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_preemption_then_resume_is_exact(kind):
     """A pool too small for every sequence preempts; resumed sequences recompute and stay exact."""
-    model = _model(kind)
-    prompts = _prompts([30, 34, 38, 42], seed=5)
-    params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
-    refs = [hf_greedy(model, p, 20) for p in prompts]
-    llm = LLM(model, max_num_batched_tokens=64, block_size=8, num_blocks=16, max_num_seqs=4)
-    got = _tokens(llm.generate(prompts, params, use_tqdm=False))
-    assert llm.stats.preemptions > 0
-    compare(model, prompts, got, refs, FP32)
-    _all_free(llm)
+    check_preemption(_model(kind))
 
 
 @pytest.mark.parametrize("backend", ["torch", "cpu"])
@@ -172,14 +128,7 @@ def test_kimi_linear_latent_attention_beside_state_layers():
     out = llm.generate([prompts[1]], SamplingParams(n=3, max_tokens=10, temperature=0.0, ignore_eos=True))
     assert [c.token_ids for c in out[0].outputs] == [refs[1]] * 3
     _all_free(llm)
-    # A pool too small for all four: preempted and recomputed, still exact.
-    prompts = _prompts([30, 34, 38, 42], seed=5)
-    params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
-    refs = [hf_greedy(model, p, 20) for p in prompts]
-    llm = LLM(model, max_num_batched_tokens=64, block_size=8, num_blocks=16, max_num_seqs=4)
-    compare(model, prompts, _tokens(llm.generate(prompts, params, use_tqdm=False)), refs, FP32)
-    assert llm.stats.preemptions > 0
-    _all_free(llm)
+    check_preemption(model)  # a pool too small for all four: preempted and recomputed, still exact
 
 
 def test_parity_mode_refuses_latent_attention_with_the_reason():

@@ -4,18 +4,19 @@ under random budgets, prefix hits, forks, preemption, aborts and overlap schedul
 
 from __future__ import annotations
 
-import random
-
 import pytest
 import torch
 
 from cbgen import LLM, SamplingParams
 from cbgen.model.support import UnsupportedModelError
+from engine_cases import GREEDY, check_forks, check_preemption, check_random_budgets, one_by_one
+from engine_cases import all_free as _all_free
+from engine_cases import first_tokens as _tokens
+from engine_cases import prompts as _prompts
 from oracle import FP32, compare, hf_greedy
 from tiny_models import STATE_KINDS, make_state_model, make_wide_state_model
 
 KINDS = sorted(STATE_KINDS)
-GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 _MODELS: dict[str, torch.nn.Module] = {}
 
 
@@ -25,36 +26,11 @@ def _model(kind: str) -> torch.nn.Module:
     return _MODELS[kind]
 
 
-def _prompts(lengths, seed: int = 0) -> list[list[int]]:
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(3, 500, (n,), generator=g).tolist() for n in lengths]
-
-
-def _tokens(outputs) -> list[list[int]]:
-    return [o.outputs[0].token_ids for o in outputs]
-
-
-def _all_free(llm: LLM) -> None:
-    """Every block and every state slot is back in its pool."""
-    pools = llm.engine.scheduler.block_manager
-    assert pools.slots.num_free == pools.slots.num_slots
-    assert all(p.num_used_blocks == 0 for p in pools.pools)
-
-
 @pytest.mark.parametrize("kind", KINDS)
 def test_greedy_equals_generate_under_random_budgets(kind):
     """Chunked prefill under random budgets and block sizes, prompts from shorter than a block to
     several mixer chunks, mixed prefill and decode rows in the steps."""
-    model = _model(kind)
-    rng = random.Random(kind)
-    prompts = _prompts([3, 9, 40, 70, 150], seed=1)
-    refs = [hf_greedy(model, p, GREEDY.max_tokens) for p in prompts]
-    for _ in range(2):
-        budget, block = rng.choice([7, 16, 33, 100]), rng.choice([4, 8, 16])
-        llm = LLM(model, max_num_batched_tokens=budget, block_size=block, max_num_seqs=4)
-        got = _tokens(llm.generate(prompts, GREEDY, use_tqdm=False))
-        compare(model, prompts, got, refs, FP32)
-        _all_free(llm)
+    check_random_budgets(_model(kind), kind, [3, 9, 40, 70, 150])
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -69,11 +45,7 @@ def test_prefix_hits_restore_the_state(kind):
     tail = _prompts([6], seed=3)[0]
     prompts = [base, base, base[:grid] + tail, base[: grid + 3] + tail, tail[:3]]
     refs = [hf_greedy(model, p, GREEDY.max_tokens) for p in prompts]
-    got, hits = [], []
-    for p in prompts:
-        before = llm.stats.prefix_cache_hits
-        got += _tokens(llm.generate([p], GREEDY, use_tqdm=False))
-        hits.append(llm.stats.prefix_cache_hits - before)
+    got, hits = one_by_one(llm, prompts)
     compare(model, prompts, got, refs, FP32)
     # The resubmission resumes at the prompt's last grid point; the others at the shared grid point.
     assert hits == [0, 2 * grid, grid, grid, 0], hits
@@ -82,37 +54,15 @@ def test_prefix_hits_restore_the_state(kind):
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_n_samples_fork_the_state(kind):
-    """n > 1 shares one prefill and copies the state at the fork: greedy samples all equal
-    generate(); seeded samples equal the same request whose samples each compute the prompt
-    (max_num_seqs=1: no fork)."""
-    model = _model(kind)
-    prompt = _prompts([45], seed=4)[0]
-    ref = hf_greedy(model, prompt, 10)
-    llm = LLM(model, max_num_batched_tokens=32, block_size=8)
-    out = llm.generate([prompt], SamplingParams(n=4, max_tokens=10, temperature=0.0, ignore_eos=True))
-    assert [c.token_ids for c in out[0].outputs] == [ref] * 4
-    seeded = SamplingParams(n=3, max_tokens=10, temperature=1.0, top_p=0.9, seed=7, ignore_eos=True)
-    forked = [c.token_ids for c in llm.generate([prompt], seeded, use_tqdm=False)[0].outputs]
-    alone = LLM(model, max_num_batched_tokens=32, block_size=8, max_num_seqs=1, enable_prefix_caching=False)
-    recomputed = [c.token_ids for c in alone.generate([prompt], seeded, use_tqdm=False)[0].outputs]
-    assert forked == recomputed
-    assert len({tuple(t) for t in forked}) > 1  # the samples differ: the check compares something
-    _all_free(llm)
+    """n > 1 shares one prefill and copies the state at the fork (engine_cases.check_forks)."""
+    check_forks(_model(kind))
 
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_preemption_then_resume_is_exact(kind):
     """A pool too small for every sequence preempts; the resumed ones prefill their prompt and
     replay their generated tokens in decode form, exactly as an unpreempted run."""
-    model = _model(kind)
-    prompts = _prompts([30, 34, 38, 42], seed=5)
-    params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
-    refs = [hf_greedy(model, p, 20) for p in prompts]
-    llm = LLM(model, max_num_batched_tokens=64, block_size=8, num_blocks=16, max_num_seqs=4)
-    got = _tokens(llm.generate(prompts, params, use_tqdm=False))
-    assert llm.stats.preemptions > 0
-    compare(model, prompts, got, refs, FP32)
-    _all_free(llm)
+    check_preemption(_model(kind))
 
 
 @pytest.mark.parametrize("kind", ["gdn", "mamba2"])
