@@ -362,7 +362,7 @@ def model_dims(model: Any) -> ModelDims:
 
     cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     heads = int(cfg.num_attention_heads)
-    head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // heads)
+    head_dim = _attention_head_dim(model, cfg, heads)
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     by_layer: dict[int, list[tuple[int, int]]] = {}
     total = 0
@@ -377,6 +377,19 @@ def model_dims(model: Any) -> ModelDims:
     return ModelDims(
         int(cfg.num_hidden_layers), int(cfg.hidden_size), heads, head_dim, int(cfg.vocab_size), first, total
     )
+
+
+def _attention_head_dim(model: Any, cfg: Any, heads: int) -> int:
+    """The head size the attention FLOPs are counted at: latent attention's mean of its key and value
+    sizes (``config.head_dim`` is the rope dimension there); for per-layer sizes (Gemma 4, whose
+    config refuses a global ``head_dim``) the most common size among the attention modules."""
+    if getattr(cfg, "qk_nope_head_dim", None) and getattr(cfg, "v_head_dim", None):
+        return (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim + cfg.v_head_dim) // 2
+    try:
+        return int(getattr(cfg, "head_dim", None) or cfg.hidden_size // heads)
+    except Exception:  # a per-layer attribute: read the modules
+        sizes = [m.head_dim for m in model.modules() if isinstance(getattr(m, "head_dim", None), int)]
+        return max(set(sizes), key=sizes.count) if sizes else cfg.hidden_size // heads
 
 
 def _distinct_prefix_ends(prompts: list[list[int]]) -> list[int]:
